@@ -1,0 +1,63 @@
+"""torchloom: a schedule language for progressive optimization of large-model training.
+
+Take an unmodified model, make a schedule of it, apply primitives by module path, build
+it, and check it still computes the same thing.
+
+>>> import torch, torchloom as tl
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+>>> sch = tl.create_schedule(model)
+>>> sch["0"].checkpoint()
+>>> model, optimizer = tl.build(sch)
+>>> model(torch.randn(3, 8)).shape
+torch.Size([3, 2])
+"""
+
+from __future__ import annotations
+
+from .build import build, init_empty_weights
+from .errors import (
+    AnnotateError,
+    BuildError,
+    CheckpointError,
+    PathError,
+    RecipeError,
+    ReplaceError,
+    RngError,
+    ScheduleError,
+    ShardError,
+    SyncError,
+)
+from .meta import ShardSpec, get_meta, shard_spec
+from .primitives import list_primitives
+from .recipe import Recipe, RecipeEntry, apply_recipe
+from .rng import set_random_seed
+from .schedule import Schedule, ScheduleGroup, create_schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnnotateError",
+    "BuildError",
+    "CheckpointError",
+    "PathError",
+    "Recipe",
+    "RecipeEntry",
+    "RecipeError",
+    "ReplaceError",
+    "RngError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleGroup",
+    "ShardError",
+    "ShardSpec",
+    "SyncError",
+    "__version__",
+    "apply_recipe",
+    "build",
+    "create_schedule",
+    "get_meta",
+    "init_empty_weights",
+    "list_primitives",
+    "set_random_seed",
+    "shard_spec",
+]

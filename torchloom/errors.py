@@ -1,0 +1,139 @@
+"""The one exception family of torchloom.
+
+Every misuse of a schedule raises a :class:`ScheduleError` (or a subclass). A message
+always has the same four parts, so that a user can act on it without reading our code:
+
+* where: the schedule path and the primitive, written as the call the user made,
+  e.g. ``sch['transformer.h.0.mlp.c_fc'].shard(...)``;
+* what went wrong;
+* the offending values;
+* the fix, as a copy-pasteable line where one exists.
+
+>>> err = ShardError("axis 1 of 'weight' is not divisible by the world size",
+...                  path="h.0.mlp", primitive="shard",
+...                  values={"shape": (8, 10), "world_size": 4},
+...                  fix="shard along axis 0 instead: sch['h.0.mlp'].shard('weight', 0)")
+>>> print(err)
+sch['h.0.mlp'].shard(...): axis 1 of 'weight' is not divisible by the world size
+    values: shape=(8, 10), world_size=4
+    fix: shard along axis 0 instead: sch['h.0.mlp'].shard('weight', 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ScheduleError",
+    "PathError",
+    "ShardError",
+    "SyncError",
+    "ReplaceError",
+    "CheckpointError",
+    "AnnotateError",
+    "RngError",
+    "RecipeError",
+    "BuildError",
+]
+
+
+def format_location(path: str | None, primitive: str | None) -> str:
+    """Render where an error happened, in the schedule language.
+
+    >>> format_location("h.0", "checkpoint")
+    "sch['h.0'].checkpoint(...)"
+    >>> format_location("", None)
+    "sch['']"
+    >>> format_location(None, "build")
+    'build(...)'
+    """
+    if path is None:
+        return f"{primitive}(...)" if primitive else "torchloom"
+    where = f"sch[{path!r}]"
+    return f"{where}.{primitive}(...)" if primitive else where
+
+
+class ScheduleError(Exception):
+    """Base class of every error torchloom raises on bad input.
+
+    Attributes:
+        problem: what went wrong, one sentence.
+        path: the schedule path (``""`` is the root), or None when no schedule is involved.
+        primitive: the primitive (or API function) that was called.
+        values: the offending values, by name.
+        fix: what to do instead.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        path: str | None = None,
+        primitive: str | None = None,
+        values: dict[str, Any] | None = None,
+        fix: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.path = path
+        self.primitive = primitive
+        self.values = dict(values or {})
+        self.fix = fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        lines = [f"{format_location(self.path, self.primitive)}: {self.problem}"]
+        if self.values:
+            rendered = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+            lines.append(f"    values: {rendered}")
+        if self.fix:
+            lines.append(f"    fix: {self.fix}")
+        return "\n".join(lines)
+
+    def __reduce__(self):  # keep errors picklable across processes
+        return (
+            _rebuild_error,
+            (type(self), self.problem, self.path, self.primitive, self.values, self.fix),
+        )
+
+
+def _rebuild_error(cls, problem, path, primitive, values, fix):  # noqa: ANN001, ANN202
+    return cls(problem, path=path, primitive=primitive, values=values, fix=fix)
+
+
+class PathError(ScheduleError, KeyError):
+    """A schedule path (or module, parameter or buffer name) that does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return self._render()
+
+
+class ShardError(ScheduleError):
+    """``shard`` cannot slice this tensor as asked."""
+
+
+class SyncError(ScheduleError):
+    """``sync`` was given a mode, operation or combination that is not valid."""
+
+
+class ReplaceError(ScheduleError):
+    """``replace`` / ``replace_all`` cannot perform the swap."""
+
+
+class CheckpointError(ScheduleError):
+    """``checkpoint`` cannot be applied as asked."""
+
+
+class AnnotateError(ScheduleError):
+    """``annotate`` was given a parameter or key it cannot tag."""
+
+
+class RngError(ScheduleError):
+    """A random-number-generator precondition is not met (e.g. no seed for ``fork_rng``)."""
+
+
+class RecipeError(ScheduleError):
+    """A recipe cannot be serialised, parsed, or replayed on this model."""
+
+
+class BuildError(ScheduleError):
+    """``build`` cannot materialise or assemble the model."""

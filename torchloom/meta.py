@@ -1,0 +1,108 @@
+"""Metadata that lives with a parameter (or buffer) tensor.
+
+torchloom keeps what it knows about a tensor *on the tensor*, not in a per-schedule-node
+dictionary. A parameter that is moved to another module (``replace``), seen through a
+traced graph (``trace`` keeps the same Parameter objects) or re-created by ``build``
+(which calls :func:`copy_meta`) keeps its metadata. This is what makes the order of
+``shard``, ``trace`` and ``replace`` irrelevant, unlike Slapo.
+
+Two things are stored:
+
+* :class:`ShardSpec`: set by ``shard``; the axis, the full (unsharded) shape, and the
+  rank/world size the slice belongs to.
+* user tags: set by ``annotate``; also exposed as plain attributes of the tensor.
+
+>>> import torch
+>>> p = torch.nn.Parameter(torch.zeros(4, 2))
+>>> set_tag(p, "replicated", True)
+>>> p.replicated, get_meta(p).tags
+(True, {'replicated': True})
+>>> q = torch.nn.Parameter(torch.zeros(4, 2))
+>>> copy_meta(p, q)
+>>> q.replicated
+True
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ShardSpec", "TensorMeta", "get_meta", "has_meta", "copy_meta", "set_tag", "shard_spec"]
+
+_ATTR = "_torchloom_meta"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a tensor was sliced by ``shard``.
+
+    Attributes:
+        axis: the tensor dimension that was split (non-negative).
+        full_shape: the shape before slicing.
+        world_size: number of slices.
+        rank: which slice this tensor holds.
+    """
+
+    axis: int
+    full_shape: tuple[int, ...]
+    world_size: int
+    rank: int
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of one slice.
+
+        >>> ShardSpec(axis=1, full_shape=(4, 6), world_size=2, rank=0).local_shape()
+        (4, 3)
+        """
+        shape = list(self.full_shape)
+        shape[self.axis] //= self.world_size
+        return tuple(shape)
+
+
+@dataclass
+class TensorMeta:
+    """Everything torchloom records about one tensor."""
+
+    shard: ShardSpec | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+def has_meta(tensor: torch.Tensor) -> bool:
+    """Whether torchloom recorded anything about ``tensor``."""
+    return isinstance(getattr(tensor, _ATTR, None), TensorMeta)
+
+
+def get_meta(tensor: torch.Tensor) -> TensorMeta:
+    """The metadata record of ``tensor``, created empty on first use."""
+    meta = getattr(tensor, _ATTR, None)
+    if not isinstance(meta, TensorMeta):
+        meta = TensorMeta()
+        setattr(tensor, _ATTR, meta)
+    return meta
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """The :class:`ShardSpec` of ``tensor``, or None if it was never sharded."""
+    meta = getattr(tensor, _ATTR, None)
+    return meta.shard if isinstance(meta, TensorMeta) else None
+
+
+def set_tag(tensor: torch.Tensor, key: str, value: Any) -> None:
+    """Record a user tag and expose it as ``tensor.<key>``."""
+    get_meta(tensor).tags[key] = value
+    setattr(tensor, key, value)
+
+
+def copy_meta(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Give ``dst`` the metadata (shard spec and tags) of ``src``; a no-op if there is none."""
+    meta = getattr(src, _ATTR, None)
+    if not isinstance(meta, TensorMeta):
+        return
+    new = TensorMeta(shard=meta.shard, tags=copy.copy(meta.tags))
+    setattr(dst, _ATTR, new)
+    for key, value in new.tags.items():
+        setattr(dst, key, value)

@@ -1,0 +1,58 @@
+"""Helpers shared by the primitives (not public)."""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import PathError
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+__all__ = ["find_tensor", "owners_of"]
+
+
+def find_tensor(sch: Schedule, name: str, primitive: str) -> tuple[nn.Module, str, torch.Tensor, bool]:
+    """Resolve a (possibly dotted) parameter or buffer name below ``sch.mod``.
+
+    Returns ``(owning module, attribute name, tensor, is_parameter)``; raises
+    :class:`PathError` listing the nearest names when there is no such tensor.
+    """
+    module_path, _, attr = name.rpartition(".")
+    try:
+        owner = sch.mod.get_submodule(module_path)
+    except AttributeError:
+        owner = None
+    if owner is not None:
+        if attr in owner._parameters and owner._parameters[attr] is not None:
+            return owner, attr, owner._parameters[attr], True
+        if attr in owner._buffers and owner._buffers[attr] is not None:
+            return owner, attr, owner._buffers[attr], False
+    names = [n for n, _ in sch.mod.named_parameters()] + [n for n, _ in sch.mod.named_buffers()]
+    nearest = difflib.get_close_matches(name, names, n=3, cutoff=0.4) or names[:5]
+    raise PathError(
+        f"{type(sch.mod).__name__} has no parameter or buffer {name!r}",
+        path=sch.path,
+        primitive=primitive,
+        values={"name": name, "nearest": nearest},
+        fix=f"use one of: {', '.join(repr(n) for n in nearest)}" if nearest
+        else "this module has no parameters or buffers; pick a child path",
+    )
+
+
+def owners_of(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, str, bool]]:
+    """Every ``(module, attribute, is_parameter)`` slot in ``root`` that holds ``tensor``
+    (tied weights appear more than once)."""
+    slots = []
+    for module in root.modules():
+        for attr, value in module._parameters.items():
+            if value is tensor:
+                slots.append((module, attr, True))
+        for attr, value in module._buffers.items():
+            if value is tensor:
+                slots.append((module, attr, False))
+    return slots

@@ -1,0 +1,152 @@
+"""``replace(new_mod_or_fn)``: swap the module at a schedule node.
+
+``new_mod_or_fn`` is either the new ``nn.Module`` or a *factory*: any other callable,
+called as ``factory(old_module)`` and returning the new module. A factory defined at
+module level is stored in the recipe by import path, so the recipe stays serialisable.
+
+What carries over from the old module to the new one:
+
+* every hook: forward pre-hooks and forward hooks (with and without kwargs, and the
+  "always called" set), backward and backward pre-hooks with the full-backward flag,
+  and the state-dict / load-state-dict hooks; the old handles keep working;
+* the training/eval mode;
+* parameters the new module reuses keep their metadata (shard specs, tags) because
+  that metadata lives on the parameter objects.
+
+The parent's attribute (or ``ModuleList``/``Sequential`` slot) is updated and the node's
+children are rebuilt from the new module. The node keeps its path.
+
+Preconditions:
+    * the new module is an ``nn.Module`` (or the factory returns one);
+    * ``target_ops`` (a subgraph from ``find``) needs a traced module: that form belongs
+      to the graph primitives.
+
+Before / after:
+
+>>> import torch, torchloom as tl
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+>>> sch = tl.create_schedule(model)
+>>> _ = model[1].register_forward_hook(lambda m, i, o: o * 2)
+>>> sch["1"].replace(nn.ReLU())
+>>> model
+Sequential(
+  (0): Linear(in_features=4, out_features=4, bias=True)
+  (1): ReLU()
+)
+>>> model[1](torch.tensor([-1.0, 3.0]))   # the old hook still doubles the output
+tensor([0., 6.])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import nn
+
+from ..errors import ReplaceError
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+NAME = "replace"
+
+# Hook dictionaries of nn.Module (torch 2.13). Each maps a hook id to a callable; the
+# handles returned by register_*_hook refer to these dict objects by weak reference.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def transfer_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Move every hook of ``old`` onto ``new`` (hooks already on ``new`` run after them)."""
+    for attr in _HOOK_DICTS:
+        old_hooks = getattr(old, attr, None)
+        if old_hooks is None or not old_hooks:
+            continue
+        new_hooks = getattr(new, attr, None)
+        if new_hooks:
+            # Keep the old dict object so the user's handles still remove their hooks.
+            for key, value in new_hooks.items():
+                old_hooks[key] = value
+        setattr(new, attr, old_hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
+def _make_new(sch: Schedule, new_mod_or_fn: Any) -> nn.Module:
+    if isinstance(new_mod_or_fn, nn.Module):
+        return new_mod_or_fn
+    if not callable(new_mod_or_fn):
+        raise ReplaceError(
+            f"replace needs an nn.Module or a factory, not a {type(new_mod_or_fn).__name__}",
+            path=sch.path,
+            primitive=NAME,
+            values={"new_mod_or_fn": repr(new_mod_or_fn)[:60]},
+            fix=f"sch[{sch.path!r}].replace(MyModule(...)) or .replace(make_my_module)",
+        )
+    new = new_mod_or_fn(sch.mod)
+    if not isinstance(new, nn.Module):
+        raise ReplaceError(
+            f"the factory returned a {type(new).__name__}, not an nn.Module",
+            path=sch.path,
+            primitive=NAME,
+            values={"factory": getattr(new_mod_or_fn, "__qualname__", repr(new_mod_or_fn))},
+            fix="make the factory return the new module: def make(old): return New(...)",
+        )
+    return new
+
+
+def swap_module(sch: Schedule, new: nn.Module) -> None:
+    """Install ``new`` at ``sch`` (hooks, mode, parent slot, children); no checks."""
+    old = sch.mod
+    if new is old:
+        return
+    transfer_hooks(old, new)
+    new.train(old.training)
+    if sch.parent is not None:
+        setattr(sch.parent.mod, sch.name, new)
+    sch.mod = new
+    sch.rebuild_children()
+
+
+def apply(
+    sch: Schedule,
+    new_mod_or_fn: nn.Module | Callable[[nn.Module], nn.Module],
+    target_ops: Any = None,
+    name: str | None = None,
+    concrete_args: dict[str, Any] | None = None,
+) -> None:
+    """Replace ``sch.mod`` by ``new_mod_or_fn`` (a module, or a factory of the old one)."""
+    if target_ops is not None or concrete_args is not None:
+        raise ReplaceError(
+            "replacing a subgraph (target_ops / concrete_args) needs a traced module and "
+            "the graph primitives, which this build of torchloom does not have yet",
+            path=sch.path,
+            primitive=NAME,
+            values={"target_ops": type(target_ops).__name__},
+            fix=f"replace the whole module instead: sch[{sch.path!r}].replace(new_module)",
+        )
+    if name is not None and name != sch.name:
+        raise ReplaceError(
+            "a whole-module replace keeps the node's name; 'name' only applies to "
+            "subgraph replacement",
+            path=sch.path,
+            primitive=NAME,
+            values={"name": name, "node_name": sch.name},
+            fix=f"drop the argument: sch[{sch.path!r}].replace(new_module)",
+        )
+    swap_module(sch, _make_new(sch, new_mod_or_fn))
+
+
+__all__ = ["NAME", "apply", "swap_module", "transfer_hooks"]

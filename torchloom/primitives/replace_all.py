@@ -1,0 +1,67 @@
+"""``replace_all(module_type, make_mod_fn)``: replace every sub-module of a type.
+
+Walks the nodes below (and including) this one, as they were before the call, and for
+each whose module is an instance of ``module_type`` installs
+``make_mod_fn(path, old_module)`` with :mod:`~torchloom.primitives.replace` semantics
+(hooks and mode carried over). ``path`` is relative to this node. Modules created by the
+factory are not visited again. The call is recorded once in the recipe.
+
+Preconditions:
+    * ``module_type`` is a subclass of ``nn.Module``;
+    * at least one node matches (nothing is silently skipped);
+    * ``make_mod_fn`` returns an ``nn.Module``.
+
+Before / after:
+
+>>> import torchloom as tl
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Sequential(nn.GELU()))
+>>> sch = tl.create_schedule(model)
+>>> sch.replace_all(nn.GELU, lambda path, old: nn.ReLU())
+>>> [type(m).__name__ for m in model.modules()]
+['Sequential', 'Linear', 'ReLU', 'Sequential', 'ReLU']
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
+
+from torch import nn
+
+from ..errors import ReplaceError
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+NAME = "replace_all"
+
+
+def apply(
+    sch: Schedule,
+    module_type: type[nn.Module],
+    make_mod_fn: Callable[[str, nn.Module], nn.Module],
+) -> None:
+    """Replace each module below ``sch`` that is a ``module_type``."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise ReplaceError(
+            f"module_type must be an nn.Module subclass, not {module_type!r}",
+            path=sch.path,
+            primitive=NAME,
+            values={"module_type": repr(module_type)},
+            fix="pass the class itself, e.g. sch.replace_all(nn.GELU, make_fast_gelu)",
+        )
+    matches = [(path, node) for path, node in list(sch.named_schedules())
+               if isinstance(node.mod, module_type)]
+    if not matches:
+        present = Counter(type(node.mod).__name__ for _, node in sch.named_schedules())
+        raise ReplaceError(
+            f"no module below this node is a {module_type.__name__}",
+            path=sch.path,
+            primitive=NAME,
+            values={"module_type": module_type.__name__,
+                    "types_present": sorted(present)[:12]},
+            fix="check the class (transformers models often use their own subclasses)",
+        )
+    for path, node in matches:
+        node.replace(lambda old, _path=path: make_mod_fn(_path, old))

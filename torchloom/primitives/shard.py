@@ -1,0 +1,118 @@
+"""``shard(param_name, axis)``: keep only this rank's slice of a parameter or buffer.
+
+The tensor is split into ``world_size`` equal slices along ``axis`` and this rank keeps
+slice ``rank``. The full shape, axis, rank and world size are recorded as a
+:class:`~torchloom.meta.ShardSpec` *on the new tensor*, so the record survives
+``replace``, tracing and ``build``. Every slot that held the old parameter (tied weights)
+receives the new one, so ties are kept. Module attributes that describe the shape are
+updated (``Linear.in_features`` / ``out_features``, ``Embedding.num_embeddings`` /
+``embedding_dim``, transformers ``Conv1D.nf``). With a world of one (no
+``torch.distributed``) the slice is the whole tensor and only the record is added.
+Meta tensors (delayed init) are sliced without allocating.
+
+Preconditions:
+    * ``param_name`` names a parameter or buffer of this node's module;
+    * ``-ndim <= axis < ndim``;
+    * the tensor was not sharded before (shard each tensor once);
+    * ``size[axis]`` is divisible by the world size.
+
+Before / after (a world of one):
+
+>>> import torch, torchloom as tl
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 6))
+>>> sch = tl.create_schedule(model)
+>>> sch["0"].shard("weight", 0)
+>>> tl.shard_spec(model[0].weight)
+ShardSpec(axis=0, full_shape=(6, 4), world_size=1, rank=0)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import ShardError
+from ..meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ._common import find_tensor, owners_of
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+NAME = "shard"
+
+# (module attribute that holds the size of `axis` of `weight`) per module type name.
+_SIZE_ATTRS: dict[str, dict[int, str]] = {
+    "Linear": {0: "out_features", 1: "in_features"},
+    "Embedding": {0: "num_embeddings", 1: "embedding_dim"},
+    "Conv1D": {1: "nf"},  # transformers' GPT-2 Conv1D keeps weight as (in, out)
+}
+
+
+def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: int) -> None:
+    if attr != "weight":
+        return
+    for cls in type(module).__mro__:
+        rule = _SIZE_ATTRS.get(cls.__name__)
+        if rule is not None:
+            name = rule.get(axis)
+            if name is not None and isinstance(getattr(module, name, None), int):
+                setattr(module, name, getattr(module, name) // world_size)
+            return
+
+
+def apply(sch: Schedule, param_name: str, axis: int) -> None:
+    """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank."""
+    owner, attr, tensor, is_param = find_tensor(sch, param_name, NAME)
+    ndim = tensor.dim()
+    if not isinstance(axis, int) or not -ndim <= axis < max(ndim, 1):
+        raise ShardError(
+            f"axis {axis!r} is out of range for {param_name!r} of shape {tuple(tensor.shape)}",
+            path=sch.path,
+            primitive=NAME,
+            values={"param_name": param_name, "axis": axis, "shape": tuple(tensor.shape)},
+            fix=f"use an axis in [0, {ndim}): sch[{sch.path!r}].shard({param_name!r}, 0)",
+        )
+    axis %= ndim
+    previous = shard_spec(tensor)
+    if previous is not None:
+        raise ShardError(
+            f"{param_name!r} is already sharded (along axis {previous.axis})",
+            path=sch.path,
+            primitive=NAME,
+            values={"param_name": param_name, "axis": axis, "previous_axis": previous.axis,
+                    "full_shape": previous.full_shape},
+            fix="shard each tensor once; for a different layout, rebuild the schedule "
+            "from a fresh model",
+        )
+    world_size, rank = sch.world_size, sch.rank
+    size = tensor.shape[axis]
+    if size % world_size != 0:
+        raise ShardError(
+            f"size {size} of axis {axis} of {param_name!r} is not divisible by the world "
+            f"size {world_size}",
+            path=sch.path,
+            primitive=NAME,
+            values={"param_name": param_name, "axis": axis, "shape": tuple(tensor.shape),
+                    "world_size": world_size},
+            fix="pick an axis whose size divides evenly, pad the tensor (e.g. the vocabulary "
+            f"to a multiple of {world_size}), or use a world size that divides {size}",
+        )
+    with torch.no_grad():
+        piece = tensor.detach().split(size // world_size, dim=axis)[rank].clone()
+    new: torch.Tensor
+    if is_param:
+        new = nn.Parameter(piece, requires_grad=tensor.requires_grad)
+    else:
+        new = piece
+    copy_meta(tensor, new)
+    get_meta(new).shard = ShardSpec(axis=axis, full_shape=tuple(tensor.shape),
+                                    world_size=world_size, rank=rank)
+    slots = owners_of(sch.root.mod, tensor) or [(owner, attr, is_param)]
+    for module, slot_attr, slot_is_param in slots:
+        if slot_is_param:
+            module._parameters[slot_attr] = new
+        else:
+            module._buffers[slot_attr] = new
+        _update_module_attrs(module, slot_attr, axis, world_size)

@@ -1,0 +1,6 @@
+"""Placeholder: being written."""
+NAME = "sync"
+
+
+def apply(sch, *args, **kwargs):
+    raise NotImplementedError("sync")

@@ -1,0 +1,366 @@
+"""The schedule tree: a node per module, addressed by dotted path.
+
+:func:`create_schedule` builds a :class:`Schedule` that mirrors ``model.named_children()``
+all the way down, built-in containers included: a ``ModuleList`` or ``Sequential`` child
+is a node whose children are named ``"0"``, ``"1"``, ..., so ``sch["h.0.attn"]`` steps
+through ``h``, then ``0``, then ``attn``; ``nn.MultiheadAttention.out_proj`` is a node too.
+
+A path token may hold shell-style wildcards (``*``, ``?``, ``[0-3]``), matched against the
+child names of one level: ``sch["h.*.mlp"]`` is a :class:`ScheduleGroup` on which a
+primitive applies to every match. A path that matches nothing raises
+:class:`~torchloom.errors.PathError` with the nearest existing paths.
+
+>>> import torch, torchloom as tl
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
+>>> sch = tl.create_schedule(model)
+>>> [path for path, _ in sch.named_schedules()]
+['', '0', '1', '2', '2.0']
+>>> sch["2.0"].mod
+Linear(in_features=8, out_features=2, bias=True)
+>>> "2.0" in sch, "2.1" in sch
+(True, False)
+>>> [s.path for s in sch["*"]]
+['0', '1', '2']
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch.distributed as dist
+from torch import nn
+
+from .errors import PathError, ScheduleError
+from .primitives import annotate as _annotate
+from .primitives import checkpoint as _checkpoint
+from .primitives import fork_rng as _fork_rng
+from .primitives import replace as _replace
+from .primitives import replace_all as _replace_all
+from .primitives import shard as _shard
+from .primitives import sync as _sync
+from .recipe import Recipe, recorded
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Schedule", "ScheduleGroup", "create_schedule"]
+
+_WILDCARD_CHARS = set("*?[")
+
+
+def _has_wildcard(token: str) -> bool:
+    return any(c in _WILDCARD_CHARS for c in token)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Schedule:
+    """One node of the schedule tree.
+
+    Attributes:
+        mod: the module at this node (primitives may swap it).
+        name: the key in the parent's ``child`` dict (``""`` for the root).
+        path: dotted path from the root (``""`` for the root).
+        parent: the parent node, or None at the root.
+        child: the child nodes by name, in ``named_children()`` order.
+        group: the tensor-parallel process group (None: the default group, if any).
+        world_size, rank: size of, and rank in, ``group``; 1 and 0 without torch.distributed.
+    """
+
+    def __init__(
+        self,
+        mod: nn.Module,
+        name: str = "",
+        path: str = "",
+        parent: Schedule | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(mod, nn.Module):
+            raise ScheduleError(
+                f"a schedule is made of an nn.Module, not a {type(mod).__name__}",
+                path=path,
+                primitive="create_schedule",
+                values={"mod": type(mod).__name__},
+                fix="pass the model itself: torchloom.create_schedule(model)",
+            )
+        self.mod = mod
+        self.name = name
+        self.path = path
+        self.parent = parent
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            self.world_size, self.rank = 1, 0
+        self.child: dict[str, Schedule] = {}
+        if parent is None:
+            self._recipe = Recipe()
+            self._recording_depth = 0
+        self.rebuild_children()
+
+    # ------------------------------------------------------------------ tree
+
+    def rebuild_children(self) -> None:
+        """Re-create the child nodes from ``self.mod.named_children()``.
+
+        Primitives that swap ``self.mod`` call this; user code rarely needs to.
+        """
+        # _modules rather than named_children(): a module registered in two slots (the same
+        # layer twice in a ModuleList) gets a node per slot, as every slot is addressable.
+        self.child = {
+            name: Schedule(sub, name, _join(self.path, name), self, self.group)
+            for name, sub in self.mod._modules.items()
+            if sub is not None
+        }
+
+    @property
+    def root(self) -> Schedule:
+        """The root node of this tree."""
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe of the whole tree (kept at the root)."""
+        return self.root._recipe
+
+    def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, Schedule]]:
+        """Pre-order ``(relative dotted path, node)`` pairs, this node first as ``prefix``."""
+        yield prefix, self
+        for name, sub in self.child.items():
+            yield from sub.named_schedules(_join(prefix, name))
+
+    def get_module(self, name: str) -> nn.Module:
+        """The sub-module at dotted ``name`` relative to this node (``""`` is ``self.mod``)."""
+        try:
+            return self.mod.get_submodule(name)
+        except AttributeError:
+            names = [n for n, _ in self.mod.named_modules() if n]
+            raise PathError(
+                f"module {self.mod.__class__.__name__} has no sub-module {name!r}",
+                path=self.path,
+                primitive="get_module",
+                values={"name": name, "nearest": difflib.get_close_matches(name, names, n=3)},
+                fix="use a name from self.mod.named_modules()",
+            ) from None
+
+    def _resolve(self, path: str) -> list[Schedule]:
+        if path == "":
+            return [self]
+        nodes = [self]
+        for depth, token in enumerate(path.split(".")):
+            found: list[Schedule] = []
+            for node in nodes:
+                if _has_wildcard(token):
+                    found += [c for n, c in node.child.items() if fnmatch.fnmatchcase(n, token)]
+                elif token in node.child:
+                    found.append(node.child[token])
+            if not found:
+                self._raise_missing(path, ".".join(path.split(".")[: depth + 1]))
+            nodes = found
+        return nodes
+
+    def _raise_missing(self, path: str, failed_prefix: str) -> None:
+        known = [p for p, _ in self.named_schedules() if p]
+        nearest = difflib.get_close_matches(path, known, n=5, cutoff=0.5)
+        parent_prefix = failed_prefix.rpartition(".")[0]
+        if not nearest:
+            nearest = [p for p in known if p.rpartition(".")[0] == parent_prefix][:5]
+        raise PathError(
+            f"no module matches this path (nothing at {_join(self.path, failed_prefix)!r})",
+            path=_join(self.path, path),
+            values={"nearest": [_join(self.path, p) for p in nearest]},
+            fix="use one of the nearest paths; print(sch) shows the whole tree",
+        )
+
+    def __getitem__(self, path: str) -> Schedule | ScheduleGroup:
+        """The node at dotted ``path`` below this one; a :class:`ScheduleGroup` if the path
+        has wildcards."""
+        if not isinstance(path, str):
+            raise PathError(
+                f"a schedule path is a dotted string, not a {type(path).__name__}",
+                path=self.path,
+                primitive="__getitem__",
+                values={"path": path},
+                fix='write sch["h.0"] for item 0 of a ModuleList named h',
+            )
+        nodes = self._resolve(path)
+        if any(_has_wildcard(t) for t in path.split(".")):
+            return ScheduleGroup(nodes, pattern=_join(self.path, path))
+        return nodes[0]
+
+    def __contains__(self, path: object) -> bool:
+        if not isinstance(path, str):
+            return False
+        try:
+            self._resolve(path)
+        except PathError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[Schedule]:
+        return iter(self.child.values())
+
+    def __repr__(self) -> str:
+        return f"Schedule(path={self.path!r}, mod={type(self.mod).__name__})"
+
+    def __str__(self) -> str:
+        from .show import render_tree
+
+        return render_tree(self)
+
+    # ------------------------------------------------------------------ primitives
+
+    @recorded
+    def replace(
+        self,
+        new_mod_or_fn: nn.Module | Callable[[nn.Module], nn.Module],
+        target_ops: Any = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> None:
+        """Swap the module at this node; see :mod:`torchloom.primitives.replace`."""
+        _replace.apply(self, new_mod_or_fn, target_ops=target_ops, name=name,
+                       concrete_args=concrete_args)
+
+    @recorded
+    def replace_all(
+        self, module_type: type[nn.Module], make_mod_fn: Callable[[str, nn.Module], nn.Module]
+    ) -> None:
+        """Replace every sub-module of a type; see :mod:`torchloom.primitives.replace_all`."""
+        _replace_all.apply(self, module_type, make_mod_fn)
+
+    @recorded
+    def shard(self, param_name: str, axis: int) -> None:
+        """Keep this rank's slice of a parameter or buffer; see
+        :mod:`torchloom.primitives.shard`."""
+        _shard.apply(self, param_name, axis)
+
+    @recorded
+    def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
+        """Add communication at this module's boundary; see
+        :mod:`torchloom.primitives.sync`."""
+        _sync.apply(self, mode, sync_op_or_fn, **kwargs)
+
+    @recorded
+    def checkpoint(self, ratio: float | None = None) -> None:
+        """Recompute this module's activations in backward; see
+        :mod:`torchloom.primitives.checkpoint`."""
+        _checkpoint.apply(self, ratio=ratio)
+
+    @recorded
+    def annotate(self, param_name: str, key: str, value: Any) -> None:
+        """Tag a parameter; see :mod:`torchloom.primitives.annotate`."""
+        _annotate.apply(self, param_name, key, value)
+
+    @recorded
+    def fork_rng(self) -> None:
+        """Draw random numbers from the tensor-parallel generator; see
+        :mod:`torchloom.primitives.fork_rng`."""
+        _fork_rng.apply(self)
+
+
+class ScheduleGroup:
+    """The nodes a wildcard path matched; a primitive called on the group is applied to
+    each node in tree order (and recorded once per node).
+
+    >>> import torch, torchloom as tl
+    >>> from torch import nn
+    >>> blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2)) for _ in range(3))
+    >>> sch = tl.create_schedule(nn.Sequential(blocks))
+    >>> group = sch["0.*.0"]
+    >>> group.paths
+    ['0.0.0', '0.1.0', '0.2.0']
+    >>> group.annotate("weight", "tag", 1)
+    >>> len(sch.recipe)
+    3
+    """
+
+    def __init__(self, nodes: list[Schedule], pattern: str) -> None:
+        self.nodes = nodes
+        self.pattern = pattern
+
+    @property
+    def paths(self) -> list[str]:
+        """The paths of the matched nodes."""
+        return [n.path for n in self.nodes]
+
+    def __iter__(self) -> Iterator[Schedule]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __getitem__(self, path: str) -> ScheduleGroup:
+        """The same relative path below every node of the group."""
+        found: list[Schedule] = []
+        for node in self.nodes:
+            sub = node[path]
+            found += sub.nodes if isinstance(sub, ScheduleGroup) else [sub]
+        return ScheduleGroup(found, pattern=_join(self.pattern, path))
+
+    def __repr__(self) -> str:
+        return f"ScheduleGroup({self.pattern!r}, {len(self.nodes)} nodes)"
+
+    def _apply(self, primitive: str, *args: Any, **kwargs: Any) -> None:
+        for node in self.nodes:
+            getattr(node, primitive)(*args, **kwargs)
+
+    def replace(self, new_mod_or_fn: Callable[[nn.Module], nn.Module], **kwargs: Any) -> None:
+        """``replace`` on every node; pass a factory, since one module cannot sit in two
+        places."""
+        if isinstance(new_mod_or_fn, nn.Module):
+            raise ScheduleError(
+                "a group replace needs a factory, one module instance cannot sit at "
+                f"{len(self.nodes)} places",
+                path=self.pattern,
+                primitive="replace",
+                values={"new_mod_or_fn": type(new_mod_or_fn).__name__},
+                fix="pass a function old_module -> new_module, e.g. "
+                "sch['h.*.mlp'].replace(make_fast_mlp)",
+            )
+        self._apply("replace", new_mod_or_fn, **kwargs)
+
+    def replace_all(self, module_type: type[nn.Module],
+                    make_mod_fn: Callable[[str, nn.Module], nn.Module]) -> None:
+        """``replace_all`` below every node."""
+        self._apply("replace_all", module_type, make_mod_fn)
+
+    def shard(self, param_name: str, axis: int) -> None:
+        """``shard`` on every node."""
+        self._apply("shard", param_name, axis)
+
+    def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
+        """``sync`` on every node."""
+        self._apply("sync", mode, sync_op_or_fn, **kwargs)
+
+    def checkpoint(self, ratio: float | None = None) -> None:
+        """``checkpoint`` on every node."""
+        self._apply("checkpoint", ratio=ratio)
+
+    def annotate(self, param_name: str, key: str, value: Any) -> None:
+        """``annotate`` on every node."""
+        self._apply("annotate", param_name, key, value)
+
+    def fork_rng(self) -> None:
+        """``fork_rng`` on every node."""
+        self._apply("fork_rng")
+
+
+def create_schedule(model: nn.Module, group: ProcessGroup | None = None) -> Schedule:
+    """Make the schedule tree of ``model``; the model is changed in place by primitives.
+
+    Args:
+        model: any ``nn.Module``.
+        group: the tensor-parallel process group; None means the default group when
+            ``torch.distributed`` is initialised, and a world of one otherwise.
+    """
+    return Schedule(model, group=group)

@@ -1,0 +1,5 @@
+"""Placeholder: being written."""
+
+
+def render_tree(sch):
+    return repr(sch)
