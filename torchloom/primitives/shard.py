@@ -46,7 +46,7 @@ NAME = "shard"
 _SIZE_ATTRS: dict[str, dict[int, str]] = {
     "Linear": {0: "out_features", 1: "in_features"},
     "Embedding": {0: "num_embeddings", 1: "embedding_dim"},
-    "Conv1D": {1: "nf"},  # transformers' GPT-2 Conv1D keeps weight as (in, out)
+    "Conv1D": {0: "nx", 1: "nf"},  # transformers GPT-2 Conv1D keeps weight as (in, out)
 }
 
 

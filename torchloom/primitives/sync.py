@@ -1,6 +1,254 @@
-"""Placeholder: being written."""
+"""``sync(mode, sync_op_or_fn, **kwargs)``: add communication at a module boundary.
+
+Modes:
+
+* ``"fwd_pre"``: transform the module's input before forward. The op applies to the
+  first tensor among the positional arguments (or the keyword ``input_name`` names);
+  every other positional and keyword argument is passed through unchanged.
+* ``"fwd_post"``: transform the module's output after forward. A tensor output is
+  transformed; for a tuple/list, its first element; for a dict or transformers
+  ``ModelOutput``, its first field.
+* ``"bwd_post"``: transform the gradient that leaves the module backwards (the gradient
+  of its input), i.e. after the module's backward.
+
+Operations (all differentiable, see :mod:`torchloom.collectives`):
+
+=====================  =====================  =================================
+op                     modes                  keyword arguments
+=====================  =====================  =================================
+``"all_reduce"``       all three              (none)
+``"all_gather"``       fwd_pre, fwd_post      ``axis`` (required),
+                                              ``tensor_parallel_output_grad=True``
+``"reduce_scatter"``   fwd_pre, fwd_post      ``axis`` (required)
+``"scatter"``          fwd_pre, fwd_post      ``axis`` (required)
+a callable             all three              see below
+=====================  =====================  =================================
+
+``axis`` is a dimension of the *activation*, not of the weight. A callable is a hook:
+``fn(module, args, kwargs) -> (args, kwargs) | None`` for fwd_pre,
+``fn(module, args, output) -> output | None`` for fwd_post, and a full backward hook
+``fn(module, grad_input, grad_output) -> grad_input | None`` for bwd_post.
+
+A row-parallel ``nn.Linear`` (weight sharded on axis 1) with an unsharded bias given
+``sync("fwd_post", "all_reduce")`` reduces the partial products *before* adding the bias,
+so the bias is counted once (Slapo added it once per rank when the order of primitives
+was unlucky; here the shard record lives on the weight, so order does not matter as long
+as ``shard`` precedes ``sync``).
+
+Every sync is recorded on the module as a :class:`SyncSpec` in ``module._torchloom_syncs``.
+With a world of one every collective is the identity.
+
+Preconditions:
+    * ``mode`` is one of the three modes and the op is allowed in that mode;
+    * gather/scatter ops get an integer ``axis``;
+    * unknown keyword arguments are rejected.
+
+Before / after (a world of one, so values do not change):
+
+>>> import torch, torchloom as tl
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+>>> sch = tl.create_schedule(model)
+>>> sch["0"].sync("bwd_post", "all_reduce")
+>>> [s.describe() for s in model[0]._torchloom_syncs]
+['bwd_post all_reduce']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import collectives as C
+from ..errors import SyncError
+from ..meta import shard_spec
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
 NAME = "sync"
 
+MODES = ("fwd_pre", "fwd_post", "bwd_post")
+_AXIS_OPS = ("all_gather", "reduce_scatter", "scatter")
+_OPS = ("all_reduce",) + _AXIS_OPS
 
-def apply(sch, *args, **kwargs):
-    raise NotImplementedError("sync")
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """One ``sync`` applied to a module."""
+
+    mode: str
+    op: str
+    axis: int | None = None
+    tensor_parallel_output_grad: bool = True
+    input_name: str | None = None
+
+    def describe(self) -> str:
+        """A short human-readable form, e.g. ``"fwd_post all_gather(axis=-1)"``."""
+        extra = f"(axis={self.axis})" if self.axis is not None else ""
+        return f"{self.mode} {self.op}{extra}"
+
+
+def _op_fn(spec: SyncSpec, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if spec.op == "all_reduce":
+        if spec.mode == "bwd_post":
+            return lambda x: C.copy_to_group(x, group)
+        return lambda x: C.all_reduce(x, group)
+    assert spec.axis is not None
+    axis = spec.axis
+    if spec.op == "all_gather":
+        return lambda x: C.all_gather(x, axis, group, spec.tensor_parallel_output_grad)
+    if spec.op == "reduce_scatter":
+        return lambda x: C.reduce_scatter(x, axis, group)
+    return lambda x: C.scatter(x, axis, group)
+
+
+def _map_input(args: tuple, kwargs: dict, input_name: str | None,
+               fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
+    if input_name is not None:
+        if isinstance(kwargs.get(input_name), torch.Tensor):
+            kwargs = dict(kwargs)
+            kwargs[input_name] = fn(kwargs[input_name])
+        return args, kwargs
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            return args[:i] + (fn(arg),) + args[i + 1:], kwargs
+    for key, value in kwargs.items():  # everything passed by keyword
+        if isinstance(value, torch.Tensor):
+            kwargs = dict(kwargs)
+            kwargs[key] = fn(value)
+            return args, kwargs
+    return args, kwargs
+
+
+def _map_output(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, (tuple, list)) and not hasattr(output, "keys"):
+        if not output or not isinstance(output[0], torch.Tensor):
+            return output
+        items = [fn(output[0]), *output[1:]]
+        if hasattr(output, "_fields"):  # a namedtuple
+            return type(output)(*items)
+        return type(output)(items)
+    if hasattr(output, "keys"):  # dict or transformers ModelOutput
+        keys = list(output.keys())
+        if keys and isinstance(output[keys[0]], torch.Tensor):
+            output[keys[0]] = fn(output[keys[0]])
+        return output
+    return output
+
+
+def _row_parallel_forward(module: nn.Linear, group: Any) -> Callable[..., torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, module.weight)
+        return C.all_reduce(partial, group) + module.bias
+
+    return forward
+
+
+def _is_row_parallel_linear_with_bias(module: nn.Module) -> bool:
+    if not isinstance(module, nn.Linear) or module.bias is None:
+        return False
+    weight_spec, bias_spec = shard_spec(module.weight), shard_spec(module.bias)
+    return weight_spec is not None and weight_spec.axis == 1 and \
+        weight_spec.world_size > 1 and bias_spec is None
+
+
+def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpec | None:
+    if mode not in MODES:
+        raise SyncError(
+            f"unknown sync mode {mode!r}",
+            path=sch.path, primitive=NAME, values={"mode": mode, "modes": list(MODES)},
+            fix=f"use one of {', '.join(MODES)}, e.g. sch[{sch.path!r}].sync('fwd_post', "
+            "'all_reduce')",
+        )
+    allowed = {"axis", "tensor_parallel_output_grad", "input_name"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise SyncError(
+            f"unknown keyword argument(s) {', '.join(unknown)}",
+            path=sch.path, primitive=NAME, values={"kwargs": sorted(kwargs)},
+            fix=f"use only {', '.join(sorted(allowed))}",
+        )
+    if callable(op):
+        if kwargs:
+            raise SyncError(
+                "a callable sync takes no keyword arguments",
+                path=sch.path, primitive=NAME, values={"kwargs": sorted(kwargs)},
+                fix="bind them into the callable (functools.partial)",
+            )
+        return None
+    if op not in _OPS:
+        hint = ("reshard specs such as 'RS->SR' are not available in this version; "
+                if isinstance(op, str) and "->" in op else "")
+        raise SyncError(
+            f"unknown sync operation {op!r}",
+            path=sch.path, primitive=NAME, values={"op": op, "ops": list(_OPS)},
+            fix=f"{hint}use one of {', '.join(_OPS)} or pass a callable hook",
+        )
+    if mode == "bwd_post" and op != "all_reduce":
+        raise SyncError(
+            f"{op!r} is not a backward operation; bwd_post supports 'all_reduce' (gathers and "
+            "scatters already carry their matching backward)",
+            path=sch.path, primitive=NAME, values={"mode": mode, "op": op},
+            fix=f"use sch[{sch.path!r}].sync('fwd_pre', {op!r}, axis=...) whose backward is "
+            "the inverse collective, or sync('bwd_post', 'all_reduce')",
+        )
+    axis = kwargs.get("axis")
+    if op in _AXIS_OPS and not isinstance(axis, int):
+        raise SyncError(
+            f"{op!r} needs the activation axis",
+            path=sch.path, primitive=NAME, values={"op": op, "axis": axis},
+            fix=f"sch[{sch.path!r}].sync({mode!r}, {op!r}, axis=-1) for the feature axis, "
+            "axis=1 for the sequence axis of a (batch, seq, hidden) activation",
+        )
+    if op == "all_reduce" and axis is not None:
+        raise SyncError(
+            "'all_reduce' takes no axis",
+            path=sch.path, primitive=NAME, values={"op": op, "axis": axis},
+            fix=f"sch[{sch.path!r}].sync({mode!r}, 'all_reduce')",
+        )
+    if "tensor_parallel_output_grad" in kwargs and op != "all_gather":
+        raise SyncError(
+            "tensor_parallel_output_grad only applies to 'all_gather'",
+            path=sch.path, primitive=NAME, values={"op": op},
+            fix="drop the argument",
+        )
+    return SyncSpec(mode=mode, op=op, axis=axis,
+                    tensor_parallel_output_grad=kwargs.get("tensor_parallel_output_grad", True),
+                    input_name=kwargs.get("input_name"))
+
+
+def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
+    """Install the communication described by ``mode`` and ``sync_op_or_fn`` on ``sch.mod``."""
+    spec = _check(sch, mode, sync_op_or_fn, kwargs)
+    module = sch.mod
+    if spec is None:  # a user hook
+        fn = sync_op_or_fn
+        spec = SyncSpec(mode=mode, op=getattr(fn, "__qualname__", "callable"))
+        if mode == "fwd_pre":
+            module.register_forward_pre_hook(fn, with_kwargs=True)
+        elif mode == "fwd_post":
+            module.register_forward_hook(fn)
+        else:
+            module.register_full_backward_hook(fn)
+    else:
+        op = _op_fn(spec, sch.group)
+        if mode == "fwd_post" and spec.op == "all_reduce" and \
+                _is_row_parallel_linear_with_bias(module):
+            module.forward = _row_parallel_forward(module, sch.group)
+        elif mode == "fwd_post":
+            module.register_forward_hook(lambda m, args, out: _map_output(out, op))
+        else:  # fwd_pre, and bwd_post (an identity whose backward runs the op)
+            name = spec.input_name
+            module.register_forward_pre_hook(
+                lambda m, args, kw: _map_input(args, kw, name, op), with_kwargs=True
+            )
+    module._torchloom_syncs = [*getattr(module, "_torchloom_syncs", []), spec]
+
+
+__all__ = ["NAME", "MODES", "SyncSpec", "apply"]

@@ -1,0 +1,31 @@
+"""Tiny transformers models for tests (random init, built from configs in code)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def gpt2(seed: int = 0, dropout: float = 0.0, n_layer: int = 2) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert(seed: int = 0, dropout: float = 0.0, n_layer: int = 2) -> transformers.BertForMaskedLM:
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=128, max_position_embeddings=64,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )
+    return transformers.BertForMaskedLM(cfg)
+
+
+def token_batch(seed: int = 1, batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
