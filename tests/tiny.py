@@ -10,7 +10,7 @@ def gpt2(seed: int = 0, dropout: float = 0.0, n_layer: int = 2) -> transformers.
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(
         n_layer=n_layer, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
