@@ -165,3 +165,19 @@ def test_replace_all_errors():
         sch.replace_all(nn.GELU, make_tanh_gelu_at)
     with pytest.raises(tl.ReplaceError, match="module_type must be an nn.Module subclass"):
         sch.replace_all("GELU", make_tanh_gelu_at)
+
+
+def test_checkpoint_and_fork_rng_follow_a_replaced_module():
+    model = tiny.gpt2(dropout=0.1)
+    sch = tl.create_schedule(model)
+    sch["transformer.h.0.mlp"].fork_rng()
+    sch["transformer.h.0.mlp"].checkpoint()
+    sch["transformer.h.0.mlp"].replace(make_explicit_mlp)
+    new = model.transformer.h[0].mlp
+    assert new._torchloom_checkpointed and new._torchloom_fork_rng
+    # A factory that keeps the old (already checkpointed) module inside adds nothing.
+    sch["transformer.h.1.mlp"].checkpoint()
+    sch["transformer.h.1.mlp"].replace(lambda old: old)
+    assert model.transformer.h[1].mlp._torchloom_checkpointed
+    tl.set_random_seed(0)
+    model(**tiny.token_batch()).loss.backward()

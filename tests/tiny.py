@@ -11,6 +11,7 @@ def gpt2(seed: int = 0, dropout: float = 0.0, n_layer: int = 2) -> transformers.
     cfg = transformers.GPT2Config(
         n_layer=n_layer, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(cfg)
 

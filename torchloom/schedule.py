@@ -344,7 +344,10 @@ class ScheduleGroup:
 
     def checkpoint(self, ratio: float | None = None) -> None:
         """``checkpoint`` on every node."""
-        self._apply("checkpoint", ratio=ratio)
+        if ratio is None:
+            self._apply("checkpoint")
+        else:
+            self._apply("checkpoint", ratio=ratio)
 
     def annotate(self, param_name: str, key: str, value: Any) -> None:
         """``annotate`` on every node."""

@@ -1,6 +1,304 @@
-"""Placeholder: being written."""
+"""``checkpoint(ratio=None)``: recompute a module's activations in backward.
+
+Without ``ratio``, the module at the node runs under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``:
+its forward keeps no intermediate activations (only its inputs), and backward runs the
+forward again to get them. Positional and keyword arguments are both supported.
+
+With ``ratio`` (a number in [0, 1]) on a node whose module is an ``nn.ModuleList`` or
+``nn.Sequential`` of ``n`` items, the first ``floor(ratio * n)`` items are checkpointed, one
+by one, as above; ``ratio=0`` checkpoints nothing and ``ratio=1`` every item. The recipe
+holds the one ``checkpoint(ratio=...)`` call.
+
+How: an instance attribute ``forward`` is installed on the module, wrapping whatever
+``forward`` it had (the class method, or an instance ``forward`` installed earlier, e.g.
+by ``fork_rng``). The module is *not* wrapped in a new module, so the module tree, the
+``state_dict()`` / ``named_parameters()`` keys and ``print(model)`` are unchanged. Module
+hooks (``register_forward_hook`` and friends) run once, outside the checkpointed region,
+and are not replayed by the recompute. The module is marked ``_torchloom_checkpointed``.
+
+Random numbers: the recompute must draw the same dropout masks as the forward did.
+``preserve_rng_state=True`` restores the global CPU and device generators; in addition the
+states of :func:`torchloom.rng.get_rng_tracker` (used by ``fork_rng``) are snapshotted when
+the forward runs and installed for the recompute (then put back), so ``checkpoint`` and
+``fork_rng`` compose in either order and nesting.
+
+Eval mode and ``torch.no_grad()``: there is no backward to recompute for, so the module
+just runs its forward (no checkpoint).
+
+Side effects in the forward run twice (once more in the recompute). A Hugging Face KV
+cache passed to a checkpointed layer in training would be extended twice, so it raises a
+:class:`~torchloom.errors.CheckpointError`: train with ``use_cache=False`` (Hugging Face's
+own gradient checkpointing turns the cache off too).
+
+Preconditions:
+    * without ``ratio``: the module has a forward of its own (a ``ModuleList`` has none:
+      use ``ratio`` or a wildcard path) and was not checkpointed already;
+    * with ``ratio``: the module is an ``nn.ModuleList`` or ``nn.Sequential``, ``ratio``
+      is a number in [0, 1], and none of the items to checkpoint is checkpointed already.
+
+Before / after (a forward hook on the inner linear counts its calls; the recompute in
+backward calls it a second time):
+
+>>> import torch, torchloom as tl
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1))
+>>> calls = []
+>>> _ = model[0][0].register_forward_hook(lambda m, i, o: calls.append(1))
+>>> model(torch.randn(2, 4)).sum().backward(); len(calls)
+1
+>>> sch = tl.create_schedule(model)
+>>> sch["0"].checkpoint()
+>>> calls.clear(); model(torch.randn(2, 4)).sum().backward(); len(calls)
+2
+>>> list(model.state_dict()) == ['0.0.weight', '0.0.bias', '1.weight', '1.bias']
+True
+>>> blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+>>> sch = tl.create_schedule(blocks)
+>>> sch.checkpoint(ratio=0.5)
+>>> [getattr(b, "_torchloom_checkpointed", False) for b in blocks]
+[True, True, False, False]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from ..errors import CheckpointError
+from ..rng import get_rng_tracker
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
 NAME = "checkpoint"
+MARK = "_torchloom_checkpointed"
+
+__all__ = ["NAME", "MARK", "apply", "tracker_context_fn"]
 
 
-def apply(sch, *args, **kwargs):
-    raise NotImplementedError("checkpoint")
+# --------------------------------------------------------------------------- rng tracker
+
+
+class _Snapshot:
+    """The tracker states taken when a checkpointed forward ran."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict[str, torch.Tensor]] | None = None
+
+
+class _TakeSnapshot:
+    """Forward context: remember the tracker states the forward starts from."""
+
+    def __init__(self, snapshot: _Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def __enter__(self) -> None:
+        self.snapshot.states = get_rng_tracker().get_states()
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+class _ReplaySnapshot:
+    """Recompute context: run from the snapshot, then put the current states back.
+
+    Re-enterable (a recompute can run more than once with ``retain_graph=True``).
+    """
+
+    def __init__(self, snapshot: _Snapshot) -> None:
+        self.snapshot = snapshot
+        self._saved: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        tracker = get_rng_tracker()
+        self._saved.append(tracker.get_states())
+        if self.snapshot.states is not None:
+            tracker.set_states(self.snapshot.states)
+
+    def __exit__(self, *exc: object) -> bool:
+        get_rng_tracker().set_states(self._saved.pop())
+        return False
+
+
+def tracker_context_fn() -> tuple[_TakeSnapshot, _ReplaySnapshot]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` that makes the recompute
+    draw from the rng tracker's states as they were when the forward ran."""
+    snapshot = _Snapshot()
+    return _TakeSnapshot(snapshot), _ReplaySnapshot(snapshot)
+
+
+# --------------------------------------------------------------------------- the forward
+
+
+class _CheckpointForward:
+    """The instance ``forward`` installed by ``checkpoint``.
+
+    A callable object rather than a closure, so that ``copy.deepcopy`` and pickling of the
+    module carry it along pointing at the copy. ``inner`` is None (call the class forward)
+    or the instance forward that was installed before.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any, path: str) -> None:
+        self.module = module
+        self.inner = inner
+        self.path = path
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self._run(*args, **kwargs)
+        _refuse_kv_cache(self, args, kwargs)
+        # Keyword arguments travel as extra positional inputs of the checkpoint, so that
+        # tensors among them are saved (and seen by device inference) like the others,
+        # and names such as "debug" or "context_fn" cannot clash with checkpoint's own.
+        n_args, keys = len(args), tuple(kwargs)
+
+        def run(*flat: Any) -> Any:
+            return self._run(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
+
+        return _torch_checkpoint(
+            run,
+            *args,
+            *kwargs.values(),
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=tracker_context_fn,
+        )
+
+    def __repr__(self) -> str:
+        return f"<checkpointed forward of {type(self.module).__name__} at {self.path!r}>"
+
+
+def _refuse_kv_cache(fwd: _CheckpointForward, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> None:
+    """Raise if a Hugging Face KV cache reaches a checkpointed layer that writes to it.
+
+    The recompute would append the layer's keys and values to the cache a second time and
+    fail with a shape error far from the cause. Layers that only read the cache declare
+    ``_can_checkpoint_with_cache = True`` (a transformers convention) and are let through.
+    """
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    if cache_type is None or getattr(fwd.module, "_can_checkpoint_with_cache", False):
+        return
+    for position, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, cache_type):
+            raise CheckpointError(
+                "a checkpointed layer got a KV cache in training; the recompute in backward "
+                "would write the layer's keys and values into it a second time",
+                path=fwd.path,
+                primitive=NAME,
+                values={"argument": position, "cache": type(value).__name__},
+                fix="train without the cache: model(..., use_cache=False), or set "
+                "model.config.use_cache = False",
+            )
+
+
+def _has_forward(mod: nn.Module) -> bool:
+    return type(mod).forward is not nn.Module.forward or "forward" in mod.__dict__
+
+
+def _check_not_checkpointed(node: Schedule, called_at: str, fix: str) -> None:
+    if getattr(node.mod, MARK, False):
+        raise CheckpointError(
+            "this module is already checkpointed",
+            path=called_at,
+            primitive=NAME,
+            values={"module": type(node.mod).__name__, "checkpointed_path": node.path},
+            fix=fix,
+        )
+
+
+def _install(node: Schedule) -> None:
+    mod = node.mod
+    mod.forward = _CheckpointForward(mod, mod.__dict__.get("forward"), node.path)
+    setattr(mod, MARK, True)
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def _item_path(sch: Schedule) -> str:
+    return f"{sch.path}.*" if sch.path else "*"
+
+
+def _apply_whole(sch: Schedule) -> None:
+    if not _has_forward(sch.mod):
+        raise CheckpointError(
+            f"a {type(sch.mod).__name__} has no forward of its own to checkpoint",
+            path=sch.path,
+            primitive=NAME,
+            values={"module": type(sch.mod).__name__, "items": len(sch.child)},
+            fix=f"checkpoint its items: sch[{sch.path!r}].checkpoint(ratio=1.0) or "
+            f"sch[{_item_path(sch)!r}].checkpoint()",
+        )
+    _check_not_checkpointed(
+        sch, sch.path, fix=f"checkpoint each module once: remove the second "
+        f"sch[{sch.path!r}].checkpoint()"
+    )
+    _install(sch)
+
+
+def _apply_ratio(sch: Schedule, ratio: Any) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
+        raise CheckpointError(
+            "ratio must be a number between 0 and 1 (the share of items to checkpoint)",
+            path=sch.path,
+            primitive=NAME,
+            values={"ratio": ratio},
+            fix=f"e.g. sch[{sch.path!r}].checkpoint(ratio=0.5) checkpoints the first half",
+        )
+    if not isinstance(sch.mod, (nn.ModuleList, nn.Sequential)):
+        raise CheckpointError(
+            "ratio needs an nn.ModuleList or nn.Sequential of layers to choose from",
+            path=sch.path,
+            primitive=NAME,
+            values={"module": type(sch.mod).__name__, "ratio": ratio},
+            fix=f"checkpoint the whole module: sch[{sch.path!r}].checkpoint(), or point "
+            "ratio at the layer list, e.g. sch['transformer.h'].checkpoint(ratio=0.5)",
+        )
+    items = list(sch.child.values())
+    # floor(ratio * n), guarded against float error (0.29 * 100 is 28.999999999999996).
+    count = min(len(items), math.floor(float(ratio) * len(items) + 1e-9))
+    chosen: list[Schedule] = []
+    seen: set[int] = set()
+    for node in items[:count]:
+        if id(node.mod) in seen:  # the same layer in two slots: checkpoint it once
+            continue
+        seen.add(id(node.mod))
+        if not _has_forward(node.mod):
+            raise CheckpointError(
+                f"item {node.name} is a {type(node.mod).__name__}, which has no forward of "
+                "its own to checkpoint",
+                path=sch.path,
+                primitive=NAME,
+                values={"item": node.path, "ratio": ratio},
+                fix=f"checkpoint the layers inside it, e.g. sch[{node.path + '.*'!r}].checkpoint()",
+            )
+        _check_not_checkpointed(
+            node, sch.path, fix=f"item {node.name} is checkpointed already: lower the ratio or "
+            f"remove the earlier sch[{node.path!r}].checkpoint()"
+        )
+        chosen.append(node)
+    for node in chosen:  # all checks passed: nothing is half-applied on error
+        _install(node)
+
+
+def apply(sch: Schedule, ratio: float | None = None) -> None:
+    """Checkpoint ``sch.mod``, or with ``ratio`` the first ``floor(ratio * n)`` items of
+    the ``ModuleList`` / ``Sequential`` at ``sch``."""
+    if ratio is None:
+        _apply_whole(sch)
+    else:
+        _apply_ratio(sch, ratio)

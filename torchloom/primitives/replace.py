@@ -11,7 +11,10 @@ What carries over from the old module to the new one:
   and the state-dict / load-state-dict hooks; the old handles keep working;
 * the training/eval mode;
 * parameters the new module reuses keep their metadata (shard specs, tags) because
-  that metadata lives on the parameter objects.
+  that metadata lives on the parameter objects;
+* ``fork_rng`` and ``checkpoint`` applied to the old module are applied to the new one
+  (unless the new module already carries them, e.g. a factory that returns the old
+  module inside a wrapper), so a replace never silently drops them.
 
 The parent's attribute (or ``ModuleList``/``Sequential`` slot) is updated and the node's
 children are rebuilt from the new module. The node keeps its path.
@@ -118,6 +121,13 @@ def swap_module(sch: Schedule, new: nn.Module) -> None:
         setattr(sch.parent.mod, sch.name, new)
     sch.mod = new
     sch.rebuild_children()
+    # fork_rng inside, checkpoint outside: the order checkpoint_forward(fork_rng_forward).
+    from . import checkpoint, fork_rng
+
+    if getattr(old, fork_rng.MARK, False) and not getattr(new, fork_rng.MARK, False):
+        fork_rng.apply(sch)
+    if getattr(old, checkpoint.MARK, False) and not getattr(new, checkpoint.MARK, False):
+        checkpoint.apply(sch)
 
 
 def apply(
