@@ -72,6 +72,28 @@ def _check_collectives(rank: int) -> None:
     torch.testing.assert_close(x.grad, sum(w_[:, :4] for w_ in weights))
 
 
+def _check_reshards(rank: int) -> None:
+    from torchloom.primitives.sync import reshard
+
+    full = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(4))
+    seq = lambda t: t.chunk(WORLD, dim=-2)[rank]  # noqa: E731
+    hid = lambda t: t.chunk(WORLD, dim=-1)[rank]  # noqa: E731
+    layouts = {"RR": lambda t: t, "RS": hid, "SR": seq}
+    for spec in ["RR->RS", "RR->SR", "RS->RR", "SR->RR", "RS->SR", "SR->RS"]:
+        src, dst = spec.split("->")
+        x = layouts[src](full).clone().requires_grad_()
+        y = reshard(x, spec)
+        torch.testing.assert_close(y, layouts[dst](full), msg=spec)
+        # Convention (Megatron's): a replicated value is the same on every rank and its
+        # gradient is that of one rank's loss; sharded values add up across ranks. So the
+        # local input's gradient is the source-layout slice of w; a replicated input (RR)
+        # feeds every rank's slice, so its gradient is all of w.
+        (y * layouts[dst](w)).sum().backward()
+        expected = w if src == "RR" else layouts[src](w)
+        torch.testing.assert_close(x.grad, expected, msg=spec)
+
+
 def _check_megatron_mlp(rank: int) -> None:
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
@@ -106,6 +128,7 @@ def _worker(rank: int, port: int) -> None:
     )
     try:
         _check_collectives(rank)
+        _check_reshards(rank)
         _check_megatron_mlp(rank)
     finally:
         dist.destroy_process_group()

@@ -189,8 +189,13 @@ def test_sync_errors():
         node.sync("fwd", "all_reduce")
     with pytest.raises(tl.SyncError, match="unknown sync operation 'allreduce'"):
         node.sync("fwd_post", "allreduce")
-    with pytest.raises(tl.SyncError, match="reshard specs such as 'RS->SR' are not available"):
-        node.sync("fwd_post", "RS->SR")
+    with pytest.raises(tl.SyncError, match=re.escape("unknown sync operation 'RS->XS'")) as info:
+        node.sync("fwd_post", "RS->XS")
+    assert "a reshard spec such as 'RS->SR'" in str(info.value)
+    with pytest.raises(tl.SyncError, match="a reshard spec names its axes itself"):
+        node.sync("fwd_post", "RS->SR", axis=1)
+    with pytest.raises(tl.SyncError, match="'RS->RR' is not a backward operation"):
+        node.sync("bwd_post", "RS->RR")
     with pytest.raises(tl.SyncError, match="'all_gather' needs the activation axis"):
         node.sync("fwd_post", "all_gather")
     with pytest.raises(tl.SyncError, match="'all_reduce' takes no axis"):
@@ -204,3 +209,52 @@ def test_sync_errors():
     with pytest.raises(tl.SyncError, match="a callable sync takes no keyword arguments"):
         node.sync("fwd_post", record_output_shape, axis=1)
     assert len(sch.recipe) == 0
+
+
+def _column_row() -> tuple[nn.Module, tl.Schedule]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    sch = tl.create_schedule(model)
+    sch["0"].shard("weight", 0)
+    sch["0"].shard("bias", 0)
+    sch["1"].shard("weight", 1)
+    return model, sch
+
+
+def test_illegal_syncs_are_refused_at_schedule_time():
+    model, sch = _column_row()
+    with pytest.raises(tl.SyncError) as info:
+        sch["0"].sync("fwd_post", "all_reduce")
+    assert str(info.value) == (
+        "sch['0'].sync(...): cannot all_reduce a sharded output: each rank holds a different "
+        "slice (along axis -1), summing them mixes features\n"
+        "    values: op='all_reduce', output='shard(axis=-1)', sharded={'weight': 0, 'bias': 0}\n"
+        "    fix: gather it instead: sch['0'].sync('fwd_post', 'all_gather', axis=-1), or shard "
+        "the weight along the other axis"
+    )
+    with pytest.raises(tl.SyncError, match="cannot reduce_scatter a sharded output"):
+        sch["0"].sync("fwd_post", "reduce_scatter", axis=1)
+    with pytest.raises(tl.SyncError, match=re.escape("the output is sharded along axis -1, not -2")):
+        sch["0"].sync("fwd_post", "all_gather", axis=-2)
+    with pytest.raises(tl.SyncError, match="cannot scatter an output that is already shard"):
+        sch["0"].sync("fwd_post", "scatter", axis=1)
+    with pytest.raises(tl.SyncError, match="cannot all_gather a partial output"):
+        sch["1"].sync("fwd_post", "all_gather", axis=-1)
+    with pytest.raises(tl.SyncError, match="cannot RR->RS an output that is already partial"):
+        sch["1"].sync("fwd_post", "RR->RS")
+    # The legal ones pass, and the placement survives a replace of the parent.
+    sch["0"].sync("fwd_post", "all_gather", axis=-1)
+    sch["1"].sync("fwd_post", "all_reduce")
+    sch.replace(lambda old: old)
+    with pytest.raises(tl.SyncError, match="cannot all_gather a partial output"):
+        sch["1"].sync("fwd_post", "all_gather", axis=-1)
+    assert [e.primitive for e in sch.recipe] == ["shard"] * 3 + ["sync"] * 2 + ["replace"]
+
+
+def test_reshard_specs_are_identity_in_a_world_of_one():
+    model = nn.Sequential(nn.Identity())
+    sch = tl.create_schedule(model)
+    for spec in ["RR->RS", "RS->RR", "RS->SR", "SR->RS", "RR->SR", "SR->RR"]:
+        sch["0"].sync("fwd_post", spec)
+    x = torch.randn(2, 4, 6, requires_grad=True)
+    model(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))

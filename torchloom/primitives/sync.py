@@ -21,8 +21,16 @@ op                     modes                  keyword arguments
                                               ``tensor_parallel_output_grad=True``
 ``"reduce_scatter"``   fwd_pre, fwd_post      ``axis`` (required)
 ``"scatter"``          fwd_pre, fwd_post      ``axis`` (required)
+a reshard spec         fwd_pre, fwd_post      (none)
 a callable             all three              see below
 =====================  =====================  =================================
+
+A reshard spec ``"XY->ZW"`` converts the layout of the last two axes of an activation
+(``[B, S, H]``: ``S`` and ``H``), each ``R`` (replicated) or ``S`` (sharded):
+``"RR->RS"`` / ``"RR->SR"`` keep this rank's slice of the last / second-to-last axis,
+``"RS->RR"`` / ``"SR->RR"`` all-gather it, and ``"RS->SR"`` / ``"SR->RS"`` move the
+sharded axis (a gather of one axis and a slice of the other). Every reshard is
+differentiable: its backward is the inverse layout change.
 
 ``axis`` is a dimension of the *activation*, not of the weight. A callable is a hook:
 ``fn(module, args, kwargs) -> (args, kwargs) | None`` for fwd_pre,
@@ -34,6 +42,11 @@ A row-parallel ``nn.Linear`` (weight sharded on axis 1) with an unsharded bias g
 so the bias is counted once (Slapo added it once per rank when the order of primitives
 was unlucky; here the shard record lives on the weight, so order does not matter as long
 as ``shard`` precedes ``sync``).
+
+Illegal combinations are refused when ``sync`` is called, using the output placement
+that :func:`torchloom.placement.output_placement` derives from the module's shards: an
+all-reduce or reduce-scatter of a *sharded* output, an all-gather of a *partial* output
+(or along another axis than the sharded one), a scatter of a sharded or partial output.
 
 Every sync is recorded on the module as a :class:`SyncSpec` in ``module._torchloom_syncs``.
 With a world of one every collective is the identity.
@@ -65,6 +78,7 @@ from torch import nn
 from .. import collectives as C
 from ..errors import SyncError
 from ..meta import shard_spec
+from ..placement import output_placement
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -74,6 +88,27 @@ NAME = "sync"
 MODES = ("fwd_pre", "fwd_post", "bwd_post")
 _AXIS_OPS = ("all_gather", "reduce_scatter", "scatter")
 _OPS = ("all_reduce",) + _AXIS_OPS
+RESHARD_SPECS = ("RR->RS", "RR->SR", "RS->RR", "SR->RR", "RS->SR", "SR->RS",
+                 "RR->RR", "RS->RS", "SR->SR")
+
+
+def reshard(x: torch.Tensor, spec: str, group: Any = None) -> torch.Tensor:
+    """Change the layout of the last two axes of ``x`` as ``spec`` says (differentiable).
+
+    >>> reshard(torch.ones(2, 3, 4), "RS->SR").shape   # a world of one: identity
+    torch.Size([2, 3, 4])
+    """
+    src, dst = spec.split("->")
+    if src == dst:
+        return x
+    if src == "RR":  # keep this rank's slice: -1 for RS, -2 for SR
+        return C.scatter(x, -1 if dst == "RS" else -2, group)
+    gathered_axis = -1 if src == "RS" else -2
+    # Every rank consumes the gathered value the same way, so backward keeps its slice.
+    full = C.all_gather(x, gathered_axis, group, tensor_parallel_output_grad=False)
+    if dst == "RR":
+        return full
+    return C.scatter(full, -2 if dst == "SR" else -1, group)
 
 
 @dataclass(frozen=True)
@@ -93,6 +128,8 @@ class SyncSpec:
 
 
 def _op_fn(spec: SyncSpec, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    if spec.op in RESHARD_SPECS:
+        return lambda x: reshard(x, spec.op, group)
     if spec.op == "all_reduce":
         if spec.mode == "bwd_post":
             return lambda x: C.copy_to_group(x, group)
@@ -182,13 +219,18 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
                 fix="bind them into the callable (functools.partial)",
             )
         return None
-    if op not in _OPS:
-        hint = ("reshard specs such as 'RS->SR' are not available in this version; "
-                if isinstance(op, str) and "->" in op else "")
+    if op not in _OPS and op not in RESHARD_SPECS:
         raise SyncError(
             f"unknown sync operation {op!r}",
             path=sch.path, primitive=NAME, values={"op": op, "ops": list(_OPS)},
-            fix=f"{hint}use one of {', '.join(_OPS)} or pass a callable hook",
+            fix=f"use one of {', '.join(_OPS)}, a reshard spec such as 'RS->SR' (last two "
+            "axes, R replicated, S sharded), or a callable hook",
+        )
+    if op in RESHARD_SPECS and kwargs:
+        raise SyncError(
+            f"a reshard spec names its axes itself and takes no keyword arguments",
+            path=sch.path, primitive=NAME, values={"op": op, "kwargs": sorted(kwargs)},
+            fix=f"sch[{sch.path!r}].sync({mode!r}, {op!r})",
         )
     if mode == "bwd_post" and op != "all_reduce":
         raise SyncError(
@@ -218,9 +260,50 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
             path=sch.path, primitive=NAME, values={"op": op},
             fix="drop the argument",
         )
+    if mode == "fwd_post":
+        _check_output_placement(sch, op, axis)
     return SyncSpec(mode=mode, op=op, axis=axis,
                     tensor_parallel_output_grad=kwargs.get("tensor_parallel_output_grad", True),
                     input_name=kwargs.get("input_name"))
+
+
+def _check_output_placement(sch: Schedule, op: str, axis: int | None) -> None:
+    placement = output_placement(sch.mod)
+    if placement is None:
+        return
+    shards = {name: shard_spec(p).axis for name, p in sch.mod._parameters.items()
+              if p is not None and shard_spec(p) is not None}
+    values = {"op": op, "output": str(placement), "sharded": shards}
+    if placement.kind == "shard" and op in ("all_reduce", "reduce_scatter"):
+        raise SyncError(
+            f"cannot {op} a sharded output: each rank holds a different slice "
+            f"(along axis {placement.axis}), summing them mixes features",
+            path=sch.path, primitive=NAME, values=values,
+            fix=f"gather it instead: sch[{sch.path!r}].sync('fwd_post', 'all_gather', "
+            f"axis={placement.axis}), or shard the weight along the other axis",
+        )
+    if placement.kind == "partial" and op == "all_gather":
+        raise SyncError(
+            "cannot all_gather a partial output: each rank holds a summand of the whole "
+            "value, not a slice",
+            path=sch.path, primitive=NAME, values=values,
+            fix=f"reduce it: sch[{sch.path!r}].sync('fwd_post', 'all_reduce') (or "
+            "'reduce_scatter' with an axis for sequence parallelism)",
+        )
+    if placement.kind == "shard" and op == "all_gather" and axis is not None and \
+            placement.axis is not None and (axis < 0) == (placement.axis < 0) and \
+            axis != placement.axis:
+        raise SyncError(
+            f"the output is sharded along axis {placement.axis}, not {axis}",
+            path=sch.path, primitive=NAME, values={**values, "axis": axis},
+            fix=f"sch[{sch.path!r}].sync('fwd_post', 'all_gather', axis={placement.axis})",
+        )
+    if placement.kind != "replicate" and (op == "scatter" or op.startswith("RR->")):
+        raise SyncError(
+            f"cannot {op} an output that is already {placement}",
+            path=sch.path, primitive=NAME, values=values,
+            fix="scatter only replicated values; remove this sync or the shard",
+        )
 
 
 def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
