@@ -42,7 +42,8 @@ How a tensor is materialised:
       floating tensors are filled with NaN first, as a "never written" sentinel;
     * the init walk below initialises it;
     * a sharded tensor is then cut to the slice recorded in its shard spec,
-      ``full.split(full_shape[axis] // world_size, axis)[rank]``;
+      ``spec.slice(full)`` (``full.split(full_shape[axis] // world_size, axis)[rank]``, per
+      block for a ``chunks > 1`` spec such as a fused q/k/v weight);
     * the new tensor keeps the old one's Parameter subclass, attributes, shard spec and
       ``annotate`` tags (:func:`torchloom.meta.copy_meta`); transformers'
       ``_is_hf_initialized`` flag is *not* carried over (it would make transformers' init
@@ -381,7 +382,7 @@ class _Builder:
             spec = e.spec
             ok = (0 <= spec.axis < len(spec.full_shape) and spec.world_size >= 1
                   and 0 <= spec.rank < spec.world_size
-                  and spec.full_shape[spec.axis] % spec.world_size == 0
+                  and spec.full_shape[spec.axis] % (spec.world_size * spec.chunks) == 0
                   and tuple(e.orig.shape) == spec.local_shape())
             if not ok:
                 raise _error(
@@ -597,7 +598,7 @@ class _Builder:
             else:
                 data = work.detach()
                 if e.spec is not None:
-                    data = _slice_for_rank(data, e.spec.axis, e.spec.world_size, e.spec.rank)
+                    data = e.spec.slice(data).clone(memory_format=torch.contiguous_format)
                 final = _param_like(e.orig, data)
             self._put(e, final)
 

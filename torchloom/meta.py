@@ -45,12 +45,41 @@ class ShardSpec:
         full_shape: the shape before slicing.
         world_size: number of slices.
         rank: which slice this tensor holds.
+        chunks: the number of equal blocks the axis is made of (3 for a fused q/k/v
+            projection); each block is split on its own and a rank keeps its piece of
+            every block, so rank r holds ``[q_r | k_r | v_r]``. 1 for a plain split.
     """
 
     axis: int
     full_shape: tuple[int, ...]
     world_size: int
     rank: int
+    chunks: int = 1
+
+    def slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full`` (a view where possible).
+
+        >>> t = torch.arange(12)
+        >>> ShardSpec(axis=0, full_shape=(12,), world_size=2, rank=1).slice(t).tolist()
+        [6, 7, 8, 9, 10, 11]
+        >>> ShardSpec(axis=0, full_shape=(12,), world_size=2, rank=1, chunks=3).slice(t).tolist()
+        [2, 3, 6, 7, 10, 11]
+        """
+        blocks = full.chunk(self.chunks, dim=self.axis)
+        pieces = [b.chunk(self.world_size, dim=self.axis)[self.rank] for b in blocks]
+        return pieces[0] if self.chunks == 1 else torch.cat(pieces, dim=self.axis)
+
+    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's piece, in rank order (inverse of ``slice``).
+
+        >>> specs = [ShardSpec(0, (12,), 2, r, chunks=3) for r in range(2)]
+        >>> t = torch.arange(12)
+        >>> torch.equal(specs[0].gather([s.slice(t) for s in specs]), t)
+        True
+        """
+        split = [p.chunk(self.chunks, dim=self.axis) for p in pieces]
+        blocks = [torch.cat([s[c] for s in split], dim=self.axis) for c in range(self.chunks)]
+        return torch.cat(blocks, dim=self.axis)
 
     def local_shape(self) -> tuple[int, ...]:
         """The shape of one slice.

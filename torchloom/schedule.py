@@ -239,10 +239,10 @@ class Schedule:
         _replace_all.apply(self, module_type, make_mod_fn)
 
     @recorded
-    def shard(self, param_name: str, axis: int) -> None:
+    def shard(self, param_name: str, axis: int, chunks: int = 1) -> None:
         """Keep this rank's slice of a parameter or buffer; see
         :mod:`torchloom.primitives.shard`."""
-        _shard.apply(self, param_name, axis)
+        _shard.apply(self, param_name, axis, chunks)
 
     @recorded
     def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
@@ -334,9 +334,12 @@ class ScheduleGroup:
         """``replace_all`` below every node."""
         self._apply("replace_all", module_type, make_mod_fn)
 
-    def shard(self, param_name: str, axis: int) -> None:
+    def shard(self, param_name: str, axis: int, chunks: int = 1) -> None:
         """``shard`` on every node."""
-        self._apply("shard", param_name, axis)
+        if chunks == 1:
+            self._apply("shard", param_name, axis)
+        else:
+            self._apply("shard", param_name, axis, chunks)
 
     def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         """``sync`` on every node."""

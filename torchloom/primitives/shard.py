@@ -16,6 +16,10 @@ Preconditions:
     * the tensor was not sharded before (shard each tensor once);
     * ``size[axis]`` is divisible by the world size.
 
+``chunks=k`` treats the axis as ``k`` equal blocks split separately, so a fused q/k/v
+projection keeps ``[q_r | k_r | v_r]`` on rank r (its heads of each); the spec records
+it and ``build`` / state-dict gathering honour it.
+
 Before / after (a world of one):
 
 >>> import torch, torchloom as tl
@@ -23,7 +27,7 @@ Before / after (a world of one):
 >>> sch = tl.create_schedule(model)
 >>> sch["0"].shard("weight", 0)
 >>> tl.shard_spec(model[0].weight)
-ShardSpec(axis=0, full_shape=(6, 4), world_size=1, rank=0)
+ShardSpec(axis=0, full_shape=(6, 4), world_size=1, rank=0, chunks=1)
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: in
             return
 
 
-def apply(sch: Schedule, param_name: str, axis: int) -> None:
-    """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank."""
+def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1) -> None:
+    """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank (each of ``chunks``
+    equal blocks separately)."""
     owner, attr, tensor, is_param = find_tensor(sch, param_name, NAME)
     ndim = tensor.dim()
     if not isinstance(axis, int) or not -ndim <= axis < max(ndim, 1):
@@ -86,9 +91,27 @@ def apply(sch: Schedule, param_name: str, axis: int) -> None:
             fix="shard each tensor once; for a different layout, rebuild the schedule "
             "from a fresh model",
         )
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ShardError(
+            f"chunks must be a positive integer, not {chunks!r}",
+            path=sch.path,
+            primitive=NAME,
+            values={"param_name": param_name, "chunks": chunks},
+            fix="chunks=3 for a fused q/k/v projection, 1 (the default) otherwise",
+        )
     world_size, rank = sch.world_size, sch.rank
     size = tensor.shape[axis]
-    if size % world_size != 0:
+    if size % (world_size * chunks) != 0:
+        if chunks > 1:
+            raise ShardError(
+                f"size {size} of axis {axis} of {param_name!r} does not split into {chunks} "
+                f"blocks of a multiple of the world size {world_size}",
+                path=sch.path,
+                primitive=NAME,
+                values={"param_name": param_name, "axis": axis, "shape": tuple(tensor.shape),
+                        "chunks": chunks, "world_size": world_size},
+                fix=f"check chunks (3 for q/k/v); each block needs a size divisible by {world_size}",
+            )
         raise ShardError(
             f"size {size} of axis {axis} of {param_name!r} is not divisible by the world "
             f"size {world_size}",
@@ -99,16 +122,17 @@ def apply(sch: Schedule, param_name: str, axis: int) -> None:
             fix="pick an axis whose size divides evenly, pad the tensor (e.g. the vocabulary "
             f"to a multiple of {world_size}), or use a world size that divides {size}",
         )
+    spec = ShardSpec(axis=axis, full_shape=tuple(tensor.shape), world_size=world_size,
+                     rank=rank, chunks=chunks)
     with torch.no_grad():
-        piece = tensor.detach().split(size // world_size, dim=axis)[rank].clone()
+        piece = spec.slice(tensor.detach()).clone()
     new: torch.Tensor
     if is_param:
         new = nn.Parameter(piece, requires_grad=tensor.requires_grad)
     else:
         new = piece
     copy_meta(tensor, new)
-    get_meta(new).shard = ShardSpec(axis=axis, full_shape=tuple(tensor.shape),
-                                    world_size=world_size, rank=rank)
+    get_meta(new).shard = spec
     slots = owners_of(sch.root.mod, tensor) or [(owner, attr, is_param)]
     for module, slot_attr, slot_is_param in slots:
         if slot_is_param:
