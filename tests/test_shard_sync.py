@@ -258,3 +258,32 @@ def test_reshard_specs_are_identity_in_a_world_of_one():
     x = torch.randn(2, 4, 6, requires_grad=True)
     model(x).sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_input_name_finds_the_input_by_position_or_keyword():
+    seen = []
+
+    class Attn(nn.Module):
+        def forward(self, hidden_states, mask=None):
+            return hidden_states
+
+    module = Attn()
+    sch = tl.create_schedule(nn.Sequential(module))
+    sch["0"].sync("fwd_pre", lambda m, a, k: seen.append((len(a), sorted(k))))
+    sch["0"].sync("bwd_post", "all_reduce", input_name="hidden_states")
+    x = torch.ones(2)
+    assert module(x) is not None and module(hidden_states=x, mask=None) is not None
+    with pytest.raises(tl.SyncError, match=re.escape(
+            "sch['0'].sync(...): the forward call passed no tensor as 'hidden_states'")):
+        module(None)
+    with pytest.raises(tl.SyncError, match="Attn.forward has no input named 'x'"):
+        sch["0"].sync("fwd_pre", "all_reduce", input_name="x")
+
+
+def test_param_grad_needs_replicated_parameters():
+    model, sch = _column_row()
+    sch["1"].sync("param_grad", "all_reduce")  # the unsharded bias of the row-parallel linear
+    with pytest.raises(tl.SyncError, match="Linear has no replicated parameters of its own"):
+        sch["0"].sync("param_grad", "all_reduce")
+    with pytest.raises(tl.SyncError, match="'all_gather' is not a backward operation"):
+        sch["1"].sync("param_grad", "all_gather", axis=1)

@@ -23,13 +23,15 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections import Counter
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "copy_to_group", "all_gather", "reduce_scatter", "scatter",
-           "group_size", "group_rank"]
+__all__ = ["all_reduce", "all_reduce_raw", "copy_to_group", "all_gather", "reduce_scatter",
+           "scatter", "group_size", "group_rank", "count_collectives"]
 
 
 def group_size(group: Any = None) -> int:
@@ -46,14 +48,46 @@ def group_rank(group: Any = None) -> int:
     return dist.get_rank(group)
 
 
+_counts: list[Counter[str]] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter[str]]:
+    """Count the collectives torchloom issues inside the block, by name.
+
+    >>> with count_collectives() as counts:
+    ...     _ = all_reduce(torch.ones(2))    # a world of one issues nothing
+    >>> dict(counts)
+    {}
+    """
+    counts: Counter[str] = Counter()
+    _counts.append(counts)
+    try:
+        yield counts
+    finally:
+        _counts.remove(counts)
+
+
+def _record(name: str) -> None:
+    for counts in _counts:
+        counts[name] += 1
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous().clone()
+    _record("all_reduce")
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
+def all_reduce_raw(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` as a new tensor, outside autograd (for gradient hooks)."""
+    return x if group_size(group) == 1 else _all_reduce(x, group)
+
+
 def _all_gather(x: torch.Tensor, axis: int, group: Any) -> torch.Tensor:
     x = x.contiguous()
+    _record("all_gather")
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=axis)

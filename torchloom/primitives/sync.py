@@ -3,20 +3,27 @@
 Modes:
 
 * ``"fwd_pre"``: transform the module's input before forward. The op applies to the
-  first tensor among the positional arguments (or the keyword ``input_name`` names);
+  first tensor among the positional arguments, or to the input ``input_name`` names
+  (found whether it is passed by position or by keyword);
   every other positional and keyword argument is passed through unchanged.
 * ``"fwd_post"``: transform the module's output after forward. A tensor output is
   transformed; for a tuple/list, its first element; for a dict or transformers
   ``ModelOutput``, its first field.
 * ``"bwd_post"``: transform the gradient that leaves the module backwards (the gradient
   of its input), i.e. after the module's backward.
+* ``"param_grad"``: all-reduce the gradients of the module's own unsharded parameters
+  (a sharded parameter's gradient is already complete on its rank). For
+  parameters that every tensor-parallel rank holds whole but uses on a different slice
+  of the data (LayerNorm weights and row-parallel biases inside a sequence-parallel
+  region), whose gradients are partial sums.
 
 Operations (all differentiable, see :mod:`torchloom.collectives`):
 
 =====================  =====================  =================================
 op                     modes                  keyword arguments
 =====================  =====================  =================================
-``"all_reduce"``       all three              (none)
+``"all_reduce"``       all four               (none); ``input_name`` for
+                                              fwd_pre / bwd_post
 ``"all_gather"``       fwd_pre, fwd_post      ``axis`` (required),
                                               ``tensor_parallel_output_grad=True``
 ``"reduce_scatter"``   fwd_pre, fwd_post      ``axis`` (required)
@@ -37,9 +44,9 @@ differentiable: its backward is the inverse layout change.
 ``fn(module, args, output) -> output | None`` for fwd_post, and a full backward hook
 ``fn(module, grad_input, grad_output) -> grad_input | None`` for bwd_post.
 
-A row-parallel ``nn.Linear`` (weight sharded on axis 1) with an unsharded bias given
-``sync("fwd_post", "all_reduce")`` reduces the partial products *before* adding the bias,
-so the bias is counted once (Slapo added it once per rank when the order of primitives
+A row-parallel ``nn.Linear`` or transformers ``Conv1D`` (partial output) with an
+unsharded bias given ``sync("fwd_post", "all_reduce")`` (or ``"reduce_scatter"``) reduces
+the partial products *before* adding the bias, so the bias is counted once (Slapo added it once per rank when the order of primitives
 was unlucky; here the shard record lives on the weight, so order does not matter as long
 as ``shard`` precedes ``sync``).
 
@@ -68,6 +75,7 @@ Before / after (a world of one, so values do not change):
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -85,7 +93,7 @@ if TYPE_CHECKING:
 
 NAME = "sync"
 
-MODES = ("fwd_pre", "fwd_post", "bwd_post")
+MODES = ("fwd_pre", "fwd_post", "bwd_post", "param_grad")
 _AXIS_OPS = ("all_gather", "reduce_scatter", "scatter")
 _OPS = ("all_reduce",) + _AXIS_OPS
 RESHARD_SPECS = ("RR->RS", "RR->SR", "RS->RR", "SR->RR", "RS->SR", "SR->RS",
@@ -143,13 +151,37 @@ def _op_fn(spec: SyncSpec, group: Any) -> Callable[[torch.Tensor], torch.Tensor]
     return lambda x: C.scatter(x, axis, group)
 
 
-def _map_input(args: tuple, kwargs: dict, input_name: str | None,
-               fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
+def _input_position(sch: Schedule, input_name: str) -> int | None:
+    """Where ``input_name`` sits among the positional parameters of ``sch.mod.forward``."""
+    params = list(inspect.signature(sch.mod.forward).parameters.values())
+    names = [p.name for p in params]
+    if input_name not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise SyncError(
+            f"{type(sch.mod).__name__}.forward has no input named {input_name!r}",
+            path=sch.path, primitive=NAME, values={"input_name": input_name, "inputs": names},
+            fix=f"use one of {', '.join(repr(n) for n in names)}",
+        )
+    if input_name in names and params[names.index(input_name)].kind in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return names.index(input_name)
+    return None
+
+
+def _map_input(args: tuple, kwargs: dict, input_name: str | None, position: int | None,
+               path: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
     if input_name is not None:
         if isinstance(kwargs.get(input_name), torch.Tensor):
             kwargs = dict(kwargs)
             kwargs[input_name] = fn(kwargs[input_name])
-        return args, kwargs
+            return args, kwargs
+        if position is not None and position < len(args) and isinstance(args[position], torch.Tensor):
+            return args[:position] + (fn(args[position]),) + args[position + 1:], kwargs
+        raise SyncError(
+            f"the forward call passed no tensor as {input_name!r}",
+            path=path, primitive=NAME,
+            values={"input_name": input_name, "num_args": len(args), "kwargs": sorted(kwargs)},
+            fix="name the input the module is actually called with",
+        )
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
             return args[:i] + (fn(arg),) + args[i + 1:], kwargs
@@ -179,20 +211,46 @@ def _map_output(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return output
 
 
-def _row_parallel_forward(module: nn.Linear, group: Any) -> Callable[..., torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, module.weight)
-        return C.all_reduce(partial, group) + module.bias
+class _ReduceThenAddBias:
+    """Forward of a row-parallel ``nn.Linear`` / ``Conv1D``: partial product, reduce, then
+    the (unsharded) bias once."""
 
-    return forward
+    def __init__(self, module: nn.Module, op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.module, self.op = module, op
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.module.weight
+        if isinstance(self.module, nn.Linear):
+            partial = F.linear(x, weight)
+        else:  # Conv1D keeps its weight as (in, out)
+            partial = (x.reshape(-1, x.shape[-1]) @ weight).reshape(*x.shape[:-1], weight.shape[-1])
+        return self.op(partial) + self.module.bias
 
 
-def _is_row_parallel_linear_with_bias(module: nn.Module) -> bool:
-    if not isinstance(module, nn.Linear) or module.bias is None:
-        return False
-    weight_spec, bias_spec = shard_spec(module.weight), shard_spec(module.bias)
-    return weight_spec is not None and weight_spec.axis == 1 and \
-        weight_spec.world_size > 1 and bias_spec is None
+def _needs_bias_after_reduction(module: nn.Module) -> bool:
+    placement = output_placement(module)
+    bias = module._parameters.get("bias")
+    return (placement is not None and placement.kind == "partial" and bias is not None
+            and shard_spec(bias) is None
+            and any(c.__name__ in ("Linear", "Conv1D") for c in type(module).__mro__))
+
+
+def _install_param_grad_sync(sch: Schedule, op: str) -> None:
+    params = [p for p in sch.mod._parameters.values()
+              if p is not None and p.requires_grad and shard_spec(p) is None]
+    if not params:
+        raise SyncError(
+            f"{type(sch.mod).__name__} has no replicated parameters of its own whose "
+            "gradients could be synchronised",
+            path=sch.path, primitive=NAME, values={"mode": "param_grad", "op": op},
+            fix="apply it to the modules that hold the parameters, e.g. "
+            f"sch[{(sch.path + '.*').lstrip('.')!r}].sync('param_grad', 'all_reduce')",
+        )
+    group = sch.group
+    for param in params:
+        # A tensor hook sees this backward's contribution before it is accumulated into
+        # .grad, so gradient accumulation over micro-batches stays correct.
+        param.register_hook(lambda grad: C.all_reduce_raw(grad, group))
 
 
 def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpec | None:
@@ -232,7 +290,7 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
             path=sch.path, primitive=NAME, values={"op": op, "kwargs": sorted(kwargs)},
             fix=f"sch[{sch.path!r}].sync({mode!r}, {op!r})",
         )
-    if mode == "bwd_post" and op != "all_reduce":
+    if mode in ("bwd_post", "param_grad") and op != "all_reduce":
         raise SyncError(
             f"{op!r} is not a backward operation; bwd_post supports 'all_reduce' (gathers and "
             "scatters already carry their matching backward)",
@@ -321,15 +379,28 @@ def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **k
             module.register_full_backward_hook(fn)
     else:
         op = _op_fn(spec, sch.group)
-        if mode == "fwd_post" and spec.op == "all_reduce" and \
-                _is_row_parallel_linear_with_bias(module):
-            module.forward = _row_parallel_forward(module, sch.group)
+        if mode == "param_grad":
+            _install_param_grad_sync(sch, spec.op)
+        elif mode == "fwd_post" and spec.op in ("all_reduce", "reduce_scatter") and \
+                _needs_bias_after_reduction(module):
+            if "forward" in module.__dict__:
+                raise SyncError(
+                    "this row-parallel module must reduce before adding its bias, which "
+                    "needs its own forward, but another primitive (checkpoint or fork_rng) "
+                    "already wrapped it",
+                    path=sch.path, primitive=NAME,
+                    values={"op": spec.op, "forward": repr(module.__dict__["forward"])},
+                    fix="apply shard and sync first, then checkpoint / fork_rng",
+                )
+            module.forward = _ReduceThenAddBias(module, op)
         elif mode == "fwd_post":
             module.register_forward_hook(lambda m, args, out: _map_output(out, op))
         else:  # fwd_pre, and bwd_post (an identity whose backward runs the op)
-            name = spec.input_name
+            name, path = spec.input_name, sch.path
+            position = _input_position(sch, name) if name is not None else None
             module.register_forward_pre_hook(
-                lambda m, args, kw: _map_input(args, kw, name, op), with_kwargs=True
+                lambda m, args, kw: _map_input(args, kw, name, position, path, op),
+                with_kwargs=True,
             )
     module._torchloom_syncs = [*getattr(module, "_torchloom_syncs", []), spec]
 

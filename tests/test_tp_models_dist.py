@@ -1,0 +1,243 @@
+"""Tensor and sequence parallelism of transformers models on two gloo ranks.
+
+GPT-2 (Conv1D, fused q/k/v), BERT and Llama, attention and MLP sharded Megatron-style by
+``shard`` + ``sync`` only, against the single-process model with the same weights:
+
+* logits equal within 1e-5 (fp32; the ranks add partial products in another order);
+* every sharded parameter's gradient equals the matching slice of the reference
+  gradient, every replicated one the reference gradient (1e-5);
+* three SGD steps later the losses still match;
+* the collectives per forward and per backward are exactly the expected numbers.
+
+The same for sequence parallelism (GPT-2 and Llama). One process-group launch runs it all.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from torch import nn
+
+import torchloom as tl
+from tests.test_collectives_dist import _free_port
+from torchloom.collectives import count_collectives
+
+WORLD = 2
+LAYERS = 2
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=128, n_positions=64, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def bert() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def gpt2_attention_split(old: nn.Module) -> nn.Module:
+    """GPT-2 attention splits c_attn's output into q/k/v by ``split_size``; after a
+    ``chunks=3`` shard each rank's output is ``[q_r | k_r | v_r]``, a third of ``nf``."""
+    old.split_size = old.c_attn.nf // 3
+    return old
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def column(sch: tl.Schedule, chunks: int = 1) -> None:
+    """Column parallel: split the output features (Conv1D keeps its weight as (in, out))."""
+    kw = {"chunks": chunks} if chunks > 1 else {}
+    sch.shard("weight", 1 if type(sch.mod).__name__ == "Conv1D" else 0, **kw)
+    if sch.mod.bias is not None:
+        sch.shard("bias", 0, **kw)
+
+
+def row(sch: tl.Schedule) -> None:
+    sch.shard("weight", 0 if type(sch.mod).__name__ == "Conv1D" else 1)
+
+
+def tp_gpt2(sch: tl.Schedule, sp: bool) -> None:
+    for i in range(LAYERS):
+        block = sch[f"transformer.h.{i}"]
+        column(block["attn.c_attn"], chunks=3)
+        block["attn"].replace(gpt2_attention_split)
+        row(block["attn.c_proj"])
+        column(block["mlp.c_fc"])
+        row(block["mlp.c_proj"])
+        if sp:
+            for sub in ("attn", "mlp"):
+                block[sub].sync("fwd_pre", "all_gather", axis=1)
+                block[f"{sub}.c_proj"].sync("fwd_post", "reduce_scatter", axis=1)
+                block[f"{sub}.c_proj"].sync("param_grad", "all_reduce")
+            block["ln_1"].sync("param_grad", "all_reduce")
+            block["ln_2"].sync("param_grad", "all_reduce")
+        else:
+            for sub in ("attn", "mlp"):
+                block[sub].sync("bwd_post", "all_reduce")
+                block[f"{sub}.c_proj"].sync("fwd_post", "all_reduce")
+    if sp:
+        sch["transformer.drop"].sync("fwd_post", "scatter", axis=1)
+        sch["transformer.ln_f"].sync("param_grad", "all_reduce")
+        sch["transformer.ln_f"].sync("fwd_post", "all_gather", axis=1,
+                                     tensor_parallel_output_grad=False)
+
+
+def tp_bert(sch: tl.Schedule, sp: bool) -> None:
+    assert not sp
+    for i in range(LAYERS):
+        layer = sch[f"bert.encoder.layer.{i}"]
+        for name in ("query", "key", "value"):
+            column(layer[f"attention.self.{name}"])
+        layer["attention.self"].sync("bwd_post", "all_reduce", input_name="hidden_states")
+        row(layer["attention.output.dense"])
+        layer["attention.output.dense"].sync("fwd_post", "all_reduce")
+        column(layer["intermediate.dense"])
+        layer["intermediate"].sync("bwd_post", "all_reduce")
+        row(layer["output.dense"])
+        layer["output.dense"].sync("fwd_post", "all_reduce")
+
+
+def tp_llama(sch: tl.Schedule, sp: bool) -> None:
+    for i in range(LAYERS):
+        layer = sch[f"model.layers.{i}"]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            column(layer[f"self_attn.{name}"])
+        for name in ("gate_proj", "up_proj"):
+            column(layer[f"mlp.{name}"])
+        row(layer["self_attn.o_proj"])
+        row(layer["mlp.down_proj"])
+        op, kw = ("reduce_scatter", {"axis": 1}) if sp else ("all_reduce", {})
+        layer["self_attn.o_proj"].sync("fwd_post", op, **kw)
+        layer["mlp.down_proj"].sync("fwd_post", op, **kw)
+        if sp:
+            layer["self_attn"].sync("fwd_pre", "all_gather", axis=1, input_name="hidden_states")
+            layer["mlp"].sync("fwd_pre", "all_gather", axis=1)
+            layer["input_layernorm"].sync("param_grad", "all_reduce")
+            layer["post_attention_layernorm"].sync("param_grad", "all_reduce")
+        else:
+            layer["self_attn"].sync("bwd_post", "all_reduce", input_name="hidden_states")
+            layer["mlp"].sync("bwd_post", "all_reduce")
+    if sp:
+        # Scatter at the first layer, not at the embedding: LlamaModel derives positions and
+        # the attention mask from the embedding's sequence length.
+        sch["model.layers.0"].sync("fwd_pre", "scatter", axis=1, input_name="hidden_states")
+        sch["model.norm"].sync("param_grad", "all_reduce")
+        sch["model.norm"].sync("fwd_post", "all_gather", axis=1, tensor_parallel_output_grad=False)
+
+
+# Collectives per step. Megatron TP: per layer, one all-reduce after each row-parallel
+# linear in forward, one on the input gradient of each column-parallel block in backward.
+# SP: per layer, forward all-gathers before attention and MLP and reduce-scatters after
+# them (torchloom's reduce-scatter is an all-reduce plus a slice, as gloo has none);
+# backward mirrors them (all-gather's backward reduce-scatters and vice versa), plus one
+# all-reduce per replicated parameter in the sequence-parallel region.
+def expected_counts(sp: bool, sp_params: int) -> tuple[dict, dict]:
+    if not sp:
+        return {"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS}
+    forward = {"all_gather": 2 * LAYERS + 1, "all_reduce": 2 * LAYERS}
+    backward = {"all_reduce": 2 * LAYERS + sp_params, "all_gather": 2 * LAYERS + 1}
+    return forward, backward
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], Callable[[tl.Schedule, bool], None], bool, int]] = [
+    ("gpt2", gpt2, tp_gpt2, False, 0),
+    ("bert", bert, tp_bert, False, 0),
+    ("llama", llama, tp_llama, False, 0),
+    # GPT-2: ln_1, ln_2 (weight + bias) and both c_proj biases per layer, ln_f's two.
+    ("gpt2-sp", gpt2, tp_gpt2, True, 6 * LAYERS + 2),
+    # Llama: two RMSNorm weights per layer and the final norm's.
+    ("llama-sp", llama, tp_llama, True, 2 * LAYERS + 1),
+]
+
+
+def _batch() -> dict:
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _check_case(rank: int, name: str, make, schedule, sp: bool, sp_params: int) -> None:
+    reference = make()
+    model = copy.deepcopy(reference)
+    sch = tl.create_schedule(model)
+    schedule(sch, sp)
+    model, _ = tl.build(sch)
+    batch = _batch()
+
+    with count_collectives() as forward:
+        out = model(**batch)
+    with torch.no_grad():
+        ref_logits = reference(**batch).logits
+    torch.testing.assert_close(out.logits, ref_logits, **TOL, msg=f"{name}: logits")
+    with count_collectives() as backward:
+        out.loss.backward()
+    reference(**batch).loss.backward()
+    fwd_expected, bwd_expected = expected_counts(sp, sp_params)
+    assert dict(forward) == fwd_expected, (name, dict(forward))
+    assert dict(backward) == bwd_expected, (name, dict(backward))
+
+    ref_params = dict(reference.named_parameters())
+    sharded = 0
+    for pname, param in model.named_parameters():
+        spec = tl.shard_spec(param)
+        expected = ref_params[pname].grad
+        if spec is not None:
+            sharded += 1
+            assert spec.rank == rank and spec.world_size == WORLD
+            expected = spec.slice(expected)
+        torch.testing.assert_close(param.grad, expected, **TOL, msg=f"{name}: grad of {pname}")
+    assert sharded > 0
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = model(**batch).loss
+        ref_loss = reference(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=f"{name}: loss after step {step}")
+        loss.backward()
+        ref_loss.backward()
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        for case in CASES:
+            _check_case(rank, *case)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_megatron_tp_and_sp_on_gpt2_bert_llama():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
