@@ -287,3 +287,21 @@ def test_param_grad_needs_replicated_parameters():
         sch["0"].sync("param_grad", "all_reduce")
     with pytest.raises(tl.SyncError, match="'all_gather' is not a backward operation"):
         sch["1"].sync("param_grad", "all_gather", axis=1)
+
+
+def test_conv2d_batchnorm_layernorm_attributes():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.LayerNorm((5, 8)), nn.Conv2d(8, 4, 1))
+    sch = tl.create_schedule(model)
+    for path in ["0", "1", "2", "3"]:
+        _fake_world(sch[path], 2, 0)
+    sch["0"].shard("weight", 0)
+    sch["1"].shard("weight", 0)
+    sch["2"].shard("weight", 1)
+    sch["3"].shard("weight", 1)
+    assert (model[0].out_channels, model[0].in_channels) == (4, 4)
+    assert model[1].num_features == 4
+    assert model[2].normalized_shape == (5, 4)
+    assert (model[3].in_channels, model[3].out_channels) == (4, 4)
+    from torchloom.placement import Placement, output_placement
+    assert output_placement(model[0]) == Placement.shard(1)
+    assert output_placement(model[3]) == Placement.partial()

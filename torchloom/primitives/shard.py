@@ -6,8 +6,10 @@ slice ``rank``. The full shape, axis, rank and world size are recorded as a
 ``replace``, tracing and ``build``. Every slot that held the old parameter (tied weights)
 receives the new one, so ties are kept. Module attributes that describe the shape are
 updated (``Linear.in_features`` / ``out_features``, ``Embedding.num_embeddings`` /
-``embedding_dim``, transformers ``Conv1D.nf``). With a world of one (no
-``torch.distributed``) the slice is the whole tensor and only the record is added.
+``embedding_dim``, transformers ``Conv1D.nx`` / ``nf``, ``Conv2d.out_channels`` /
+``in_channels``, ``BatchNorm.num_features``, ``LayerNorm.normalized_shape``). With a
+world of one (no ``torch.distributed``) the slice is the whole tensor and only the record
+is added.
 Meta tensors (delayed init) are sliced without allocating.
 
 Preconditions:
@@ -47,10 +49,16 @@ if TYPE_CHECKING:
 NAME = "shard"
 
 # (module attribute that holds the size of `axis` of `weight`) per module type name.
+# module class name -> {weight axis: the attribute that holds that axis's size}; a tuple
+# attribute (LayerNorm's normalized_shape) holds the sizes of all the weight's axes.
 _SIZE_ATTRS: dict[str, dict[int, str]] = {
     "Linear": {0: "out_features", 1: "in_features"},
     "Embedding": {0: "num_embeddings", 1: "embedding_dim"},
     "Conv1D": {0: "nx", 1: "nf"},  # transformers GPT-2 Conv1D keeps weight as (in, out)
+    "_ConvNd": {0: "out_channels", 1: "in_channels"},  # weight is (out, in/groups, ...)
+    "_NormBase": {0: "num_features"},  # BatchNorm*, InstanceNorm*
+    "LayerNorm": {0: "normalized_shape", 1: "normalized_shape", 2: "normalized_shape"},
+    "GroupNorm": {0: "num_channels"},
 }
 
 
@@ -59,11 +67,19 @@ def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: in
         return
     for cls in type(module).__mro__:
         rule = _SIZE_ATTRS.get(cls.__name__)
-        if rule is not None:
-            name = rule.get(axis)
-            if name is not None and isinstance(getattr(module, name, None), int):
-                setattr(module, name, getattr(module, name) // world_size)
-            return
+        if rule is None:
+            continue
+        name = rule.get(axis)
+        value = getattr(module, name, None) if name is not None else None
+        if isinstance(value, int):
+            setattr(module, name, value // world_size)
+        elif isinstance(value, tuple) and value and isinstance(value[-1], int):
+            # LayerNorm's normalized_shape: the weight covers its trailing dimensions
+            offset = len(value) - module.weight.dim()
+            sizes = list(value)
+            sizes[offset + axis] //= world_size
+            setattr(module, name, tuple(sizes))
+        return
 
 
 def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1) -> None:
