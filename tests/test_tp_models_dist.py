@@ -226,6 +226,48 @@ def _check_case(rank: int, name: str, make, schedule, sp: bool, sp_params: int) 
         ref_loss.backward()
 
 
+def _check_dropout(rank: int) -> None:
+    """Dropout outside the sharded regions draws the same masks as the single-process
+    model (the default generator stays in step on every rank); dropout inside a sharded
+    region under fork_rng draws per-rank masks and leaves the default generator alone."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=128, n_positions=64,
+            use_cache=False, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0))
+
+    reference = make()
+    model = copy.deepcopy(reference)
+    sch = tl.create_schedule(model)
+    tp_gpt2(sch, sp=False)
+    batch = _batch()
+    tl.set_random_seed(7, tp_rank=rank)
+    loss = model(**batch).loss
+    torch.manual_seed(7)
+    ref_loss = reference(**batch).loss
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    with torch.no_grad():  # dropout really ran: the loss without it is another number
+        assert abs(reference.eval()(**batch).loss - ref_loss) > 1e-3
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
+    sch = tl.create_schedule(mlp)
+    column(sch["0"])
+    sch["0"].sync("bwd_post", "all_reduce")
+    row(sch["2"])
+    sch["2"].sync("fwd_post", "all_reduce")
+    sch["1"].fork_rng()
+    tl.set_random_seed(3, tp_rank=rank)
+    hidden = mlp[1](torch.ones(4, 8))
+    masks = [torch.empty_like(hidden) for _ in range(WORLD)]
+    dist.all_gather(masks, hidden)
+    assert not torch.equal(masks[0], masks[1])  # per-rank masks in the sharded region
+    states = [torch.empty_like(torch.get_rng_state()) for _ in range(WORLD)]
+    dist.all_gather(states, torch.get_rng_state())
+    assert torch.equal(states[0], states[1])  # the default generator is still in step
+
+
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -235,6 +277,7 @@ def _worker(rank: int, port: int) -> None:
     try:
         for case in CASES:
             _check_case(rank, *case)
+        _check_dropout(rank)
     finally:
         dist.destroy_process_group()
 
