@@ -1,0 +1,78 @@
+"""Tests of the ``torchloom`` command line, run in-process with typer's CliRunner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import torchloom as tl
+from torchloom.cli import app
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+    threads = torch.get_num_threads()
+
+    def invoke(*args: str):
+        return runner.invoke(app, list(args))
+
+    yield invoke
+    torch.set_num_threads(threads)  # the demo sets it
+
+
+def test_show_prints_the_collapsed_tree(run):
+    result = run("show", "gpt2")
+    assert result.exit_code == 0, result.output
+    assert "GPT2LMHeadModel" in result.output
+    assert "h.0 .. h.1: GPT2Block x2" in result.output
+    assert "◆" not in result.output  # no schedule asked for
+
+
+def test_show_with_the_demo_schedule(run):
+    result = run("show", "llama", "--ckpt-ratio", "0.5")
+    assert result.exit_code == 0, result.output
+    assert "◆ .checkpoint(ratio=0.5)" in result.output
+    assert "sch['model.layers'].checkpoint(ratio=0.5)" in result.output  # the recipe
+
+
+def test_list_primitives(run):
+    result = run("list-primitives")
+    assert result.exit_code == 0, result.output
+    for name in tl.list_primitives():
+        assert name in result.output
+
+
+def test_unknown_model_is_a_clean_error_with_exit_code_2(run):
+    result = run("show", "gpt3")
+    assert result.exit_code == 2
+    assert "unknown model 'gpt3'" in result.output
+    assert "gpt2" in result.output  # the known names are listed
+    assert "Traceback" not in result.output
+
+
+def test_a_schedule_error_from_a_primitive_exits_with_code_2(run):
+    result = run("show", "gpt2", "--size", "huge")
+    assert result.exit_code == 2
+    assert "unknown size 'huge'" in result.output
+
+
+def test_demo_trains_and_reports_throughput(run):
+    result = run("demo", "--steps", "3", "--layers", "2", "--batch-size", "2",
+                 "--seq-len", "32", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    assert "sch['transformer.h'].checkpoint(ratio=0.5)" in result.output
+    assert "tokens/s" in result.output
+    assert "loss, step 1" in result.output
+    assert "1 of 2" in result.output  # checkpointed layers
+
+
+def test_python_dash_m_runs_the_cli():
+    result = subprocess.run([sys.executable, "-m", "torchloom", "--version"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"torchloom {tl.__version__}"

@@ -1,0 +1,282 @@
+"""The ``torchloom`` command line (also ``python -m torchloom``).
+
+Commands:
+
+* ``torchloom demo``: train a small GPT-2 on the bytes of Python's own standard library
+  under a schedule (activation checkpointing on a ratio of the layers), with a progress
+  bar, the loss as it falls, and the throughput in tokens/s;
+* ``torchloom show MODEL``: print the schedule tree of a zoo model, optionally with the
+  demo schedule applied;
+* ``torchloom list-primitives``: the primitives a schedule offers.
+
+A :class:`~torchloom.errors.ScheduleError` is printed as its message, without a
+traceback, and the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import time
+from typing import Any, Callable, TypeVar
+
+import torch
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.syntax import Syntax
+from rich.table import Table
+
+from . import __version__, data, zoo
+from .build import build
+from .errors import ScheduleError
+from .primitives import list_primitives
+from .schedule import Schedule, create_schedule
+from .show import rich_tree
+
+__all__ = ["app", "main", "apply_demo_schedule"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_SCHEDULE_ERROR = 2
+
+app = typer.Typer(
+    name="torchloom",
+    help="torchloom: a schedule language for progressive optimization of model training.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _clean_errors(command: F) -> F:
+    """Print a ScheduleError as its message (no traceback) and exit with status 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except ScheduleError as exc:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(exc))}")
+            raise typer.Exit(EXIT_SCHEDULE_ERROR) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"torchloom {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """torchloom: a schedule language for progressive optimization of model training."""
+
+
+def apply_demo_schedule(sch: Schedule, model_name: str, ckpt_ratio: float) -> None:
+    """The built-in demo schedule: checkpoint the first ``ckpt_ratio`` of the transformer
+    layers of each layer stack of a zoo model (``0`` checkpoints none)."""
+    for path in zoo.layer_paths(model_name):
+        sch[path].checkpoint(ratio=ckpt_ratio)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _default_threads() -> tuple[int, str]:
+    """One thread per idle core: torch's OpenMP threads spin while they wait for each other,
+    so a thread that has to share its core with another busy process slows every step down
+    many times over (measured: 5x-10x on a 2-core machine running other jobs)."""
+    cores = _available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not available on this platform
+        return cores, f"{cores} cores"
+    threads = max(1, min(cores, cores - round(load)))
+    if threads == cores:
+        return cores, f"{cores} cores"
+    return threads, f"{cores} cores, load {load:.1f}; --threads {cores} to use all"
+
+
+def _lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first 10% of the steps, then cosine decay to 10% of peak."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@app.command()
+@_clean_errors
+def demo(
+    steps: int = typer.Option(200, min=1, help="Training steps."),
+    batch_size: int = typer.Option(8, min=1, help="Sequences per step."),
+    seq_len: int = typer.Option(128, min=2, help="Bytes per sequence."),
+    layers: int = typer.Option(4, min=1, help="GPT-2 layers (n_embd 128, 4 heads)."),
+    ckpt_ratio: float = typer.Option(
+        0.5, min=0.0, max=1.0,
+        help="Fraction of the layers whose activations are checkpointed (0: none)."),
+    lr: float = typer.Option(2e-3, min=0.0, help="Peak AdamW learning rate."),
+    seed: int = typer.Option(0, help="Seed for the weights, the data windows and dropout."),
+    threads: int = typer.Option(
+        0, min=0, help="torch threads; 0: one per core that is not busy with other processes."),
+) -> None:
+    """Train a small GPT-2 on Python's standard-library source bytes under a schedule."""
+    console = Console()
+    num_threads, why = (threads, "--threads") if threads else _default_threads()
+    torch.set_num_threads(num_threads)
+    torch.manual_seed(seed)
+
+    model = zoo.make_model("gpt2", "small", seed=seed, n_layer=layers,
+                           n_positions=max(256, seq_len))
+    num_params = sum(p.numel() for p in model.parameters())
+    sch = create_schedule(model)
+    apply_demo_schedule(sch, "gpt2", ckpt_ratio)
+    model, optimizer = build(sch, optimizer=lambda params: torch.optim.AdamW(params, lr=lr))
+
+    corpus_bytes = data.load_corpus().numel()
+    console.print(
+        f"[bold]torchloom demo[/]: GPT-2 with {_plural(layers, 'layer')}, n_embd 128, "
+        f"{num_params / 1e6:.2f}M parameters; {corpus_bytes / 1e6:.1f} MB of Python "
+        f"standard-library source as bytes (vocabulary 256); batch {batch_size} x "
+        f"{seq_len} tokens; {_plural(num_threads, 'thread')} ({why})"
+    )
+    console.print(Panel(Syntax(str(sch.recipe), "python", theme="ansi_dark"),
+                        title="schedule (sch.recipe)", expand=False))
+
+    batches = data.batches(batch_size, seq_len, seed=seed)
+    tokens_per_step = batch_size * seq_len
+    report_every = max(1, steps // 10)
+    losses: list[float] = []
+    window_start, window_tokens = time.perf_counter(), 0
+    model.train()
+
+    progress = Progress(
+        TextColumn("[bold blue]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss [bold]{task.fields[loss]}"),
+        TextColumn("{task.fields[speed]} tokens/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    started = time.perf_counter()
+    with progress:
+        task = progress.add_task("train", total=steps, loss="-", speed="-")
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, steps, lr)
+            input_ids, labels = next(batches)
+            loss = model(input_ids=input_ids, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            losses.append(loss.item())
+            window_tokens += tokens_per_step
+            now = time.perf_counter()
+            speed = (step + 1) * tokens_per_step / (now - started)
+            progress.update(task, advance=1, loss=f"{losses[-1]:.3f}", speed=f"{speed:,.0f}")
+            if (step + 1) % report_every == 0 or step == 0 or step + 1 == steps:
+                recent = losses[-report_every:] if step else losses
+                progress.console.print(
+                    f"step {step + 1:>5}/{steps}  loss {sum(recent) / len(recent):.3f}  "
+                    f"{window_tokens / (now - window_start):,.0f} tokens/s"
+                )
+                window_start, window_tokens = now, 0
+    elapsed = time.perf_counter() - started
+
+    last = losses[-report_every:]
+    summary = Table(title="demo summary", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column(justify="right")
+    summary.add_row("steps", f"{steps}")
+    summary.add_row("tokens", f"{steps * tokens_per_step:,}")
+    summary.add_row("time", f"{elapsed:.2f} s")
+    summary.add_row("loss, step 1", f"{losses[0]:.3f}")
+    summary.add_row(f"loss, last {_plural(len(last), 'step')} (mean)",
+                    f"{sum(last) / len(last):.3f}")
+    summary.add_row("throughput", f"{steps * tokens_per_step / elapsed:,.0f} tokens/s")
+    # checkpoint(ratio=r) on a list of n layers checkpoints the first floor(r * n)
+    summary.add_row("checkpointed layers", f"{math.floor(ckpt_ratio * layers)} of {layers}")
+    console.print(summary)
+
+
+@app.command()
+@_clean_errors
+def show(
+    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    size: str = typer.Option("tiny", help=f"Model size: {', '.join(zoo.SIZES)}."),
+    ckpt_ratio: float = typer.Option(
+        None, min=0.0, max=1.0,
+        help="Apply the demo schedule: checkpoint this fraction of the layers."),
+) -> None:
+    """Print the schedule tree of a zoo model and the primitives applied to it."""
+    console = Console()
+    sch = create_schedule(zoo.make_model(model, size, seed=0))
+    if ckpt_ratio is not None:
+        apply_demo_schedule(sch, model, ckpt_ratio)
+    console.print(rich_tree(sch))
+    if len(sch.recipe):
+        console.print(Panel(Syntax(str(sch.recipe), "python", theme="ansi_dark"),
+                            title="schedule (sch.recipe)", expand=False))
+
+
+@app.command("list-primitives")
+@_clean_errors
+def list_primitives_command() -> None:
+    """List the primitives a schedule offers."""
+    table = Table(title="torchloom primitives")
+    table.add_column("primitive", style="bold cyan")
+    table.add_column(escape("call on sch[path]"), overflow="fold")
+    table.add_column("what it does")
+    for name in list_primitives():
+        method = getattr(Schedule, name, None)
+        if method is None:
+            table.add_row(name, "", "")
+            continue
+        params = list(inspect.signature(method).parameters.values())[1:]  # drop self
+        call = f".{name}({', '.join(_param_text(p) for p in params)})"
+        doc = (inspect.getdoc(method) or "").split("\n\n")[0].replace("\n", " ")
+        doc = doc.split("; see ")[0].rstrip(".") + "."
+        table.add_row(name, escape(call), escape(doc))
+    Console().print(table)
+
+
+def _param_text(param: inspect.Parameter) -> str:
+    if param.kind is inspect.Parameter.VAR_KEYWORD:
+        return f"**{param.name}"
+    if param.kind is inspect.Parameter.VAR_POSITIONAL:
+        return f"*{param.name}"
+    return param.name
+
+
+def main() -> None:
+    """Entry point of the ``torchloom`` console script."""
+    app()
