@@ -29,7 +29,7 @@ op                     modes                  keyword arguments
 ``"reduce_scatter"``   fwd_pre, fwd_post      ``axis`` (required)
 ``"scatter"``          fwd_pre, fwd_post      ``axis`` (required)
 a reshard spec         fwd_pre, fwd_post      (none)
-a callable             all three              see below
+a callable             all four               see below
 =====================  =====================  =================================
 
 A reshard spec ``"XY->ZW"`` converts the layout of the last two axes of an activation
@@ -59,7 +59,7 @@ Every sync is recorded on the module as a :class:`SyncSpec` in ``module._torchlo
 With a world of one every collective is the identity.
 
 Preconditions:
-    * ``mode`` is one of the three modes and the op is allowed in that mode;
+    * ``mode`` is one of the four modes and the op is allowed in that mode;
     * gather/scatter ops get an integer ``axis``;
     * unknown keyword arguments are rejected.
 
