@@ -15,6 +15,7 @@ torch.Size([3, 2])
 from __future__ import annotations
 
 from .build import build, init_empty_weights
+from .check import CheckReport, Finding, check
 from .errors import (
     AnnotateError,
     BuildError,
@@ -32,11 +33,19 @@ from .primitives import list_primitives
 from .recipe import Recipe, RecipeEntry, apply_recipe
 from .rng import set_random_seed
 from .schedule import Schedule, ScheduleGroup, create_schedule
+from .verify import VerificationError, Verify
+from . import ops  # noqa: E402  (the kernel library; imports torchloom.collectives)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnnotateError",
+    "CheckReport",
+    "Finding",
+    "VerificationError",
+    "Verify",
+    "check",
+    "ops",
     "BuildError",
     "CheckpointError",
     "PathError",

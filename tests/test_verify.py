@@ -1,0 +1,155 @@
+"""Verify in one process: correct schedules pass, wrong ones are named, state is restored."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import torchloom as tl
+from tests import tiny
+from tests.test_replace import make_explicit_mlp
+from torchloom.check import check
+
+
+class UnseededCheckpoint(nn.Module):
+    """A hand-made checkpoint wrapper that forgets to replay the RNG state (a planted bug:
+    dropout in the recompute draws other masks than the forward did)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(
+            self.inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+
+def _inputs() -> dict:
+    return {"input_ids": tiny.token_batch()["input_ids"]}
+
+
+def test_correct_schedules_pass_exactly():
+    model = tiny.gpt2(dropout=0.1)
+    sch = tl.create_schedule(model)
+    with tl.Verify(sch, _inputs(), rtol=0, atol=0):
+        sch["transformer.h.*"].checkpoint()
+        sch["transformer.h.0.mlp.c_fc"].annotate("weight", "colwise", True)
+    with tl.Verify(sch, _inputs()):  # same math, other rounding: default tolerances
+        sch["transformer.h.*.mlp"].replace(make_explicit_mlp)
+
+
+def test_a_wrong_replacement_is_named_in_forward():
+    model = tiny.bert()
+    sch = tl.create_schedule(model)
+    with pytest.raises(tl.VerificationError) as info:
+        with tl.Verify(sch, _inputs()):
+            sch["bert.encoder.layer.1.intermediate.intermediate_act_fn"].replace(nn.ReLU())
+    err = info.value
+    assert err.path == "bert.encoder.layer.1.intermediate.intermediate_act_fn"
+    assert err.values["phase"] == "forward output"
+    assert err.values["max_abs_error"] > 1e-3
+    assert str(err).startswith(
+        "sch['bert.encoder.layer.1.intermediate.intermediate_act_fn'].Verify(...): the forward "
+        "output differs from the original model's")
+    assert "fix: look at what the schedule did at or below this path: " \
+           "sch['bert.encoder.layer.1.intermediate.intermediate_act_fn'].replace(...)" in str(err)
+
+
+def test_an_unseeded_checkpoint_is_caught_by_the_backward_check():
+    model = tiny.gpt2(dropout=0.3)
+    sch = tl.create_schedule(model)
+    with pytest.raises(tl.VerificationError) as info:
+        with tl.Verify(sch, _inputs()):
+            sch["transformer.h.1"].replace(UnseededCheckpoint(model.transformer.h[1]))
+    assert info.value.path == "transformer.h.1"
+    assert info.value.values["phase"] == "input gradient"
+    # Forward alone cannot see it.
+    with tl.Verify(tl.create_schedule(tiny.gpt2(dropout=0.3)), _inputs(), check_backward=False) as v:
+        v.sch["transformer.h.1"].replace(UnseededCheckpoint(v.sch.mod.transformer.h[1]))
+
+
+def test_parameter_gradients_are_compared():
+    class Doubler(nn.Module):
+        def __init__(self, old: nn.Linear) -> None:
+            super().__init__()
+            self.weight, self.bias = old.weight, old.bias
+
+        def forward(self, x):  # same output, but the weight's gradient is doubled
+            w = self.weight * 2 - self.weight.detach()
+            return nn.functional.linear(x, w, self.bias)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    sch = tl.create_schedule(model)
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "the gradient of parameter '0.weight' differs from the original model's")) as info:
+        with tl.Verify(sch, (torch.randn(5, 4),)):
+            sch["0"].replace(Doubler(model[0]))
+    assert info.value.values["phase"] == "parameter gradient"
+
+
+def test_global_state_is_restored_even_on_failure():
+    model = tiny.gpt2(dropout=0.1)
+    model.train()
+    model.transformer.h[0].eval()
+    sch = tl.create_schedule(model)
+    model(**_inputs()).logits.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    with pytest.raises(tl.VerificationError):
+        with tl.Verify(sch, _inputs()):
+            sch["transformer.h.1.mlp.act"].replace(nn.ReLU())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.is_grad_enabled()
+    assert model.training and not model.transformer.h[0].training
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert hooks == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_disabled_verify_is_a_no_op():
+    model = tiny.gpt2()
+    sch = tl.create_schedule(model)
+    with tl.Verify(sch, _inputs(), enable=False) as v:
+        sch["transformer.h.1.mlp.act"].replace(nn.ReLU())  # wrong, but not checked
+    assert v.reference is None
+
+
+def test_an_exception_in_the_block_is_not_hidden():
+    sch = tl.create_schedule(tiny.gpt2())
+    with pytest.raises(tl.PathError):
+        with tl.Verify(sch, _inputs()):
+            sch["transformer.h.9"].checkpoint()
+
+
+def test_a_schedule_that_crashes_is_named_by_module():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    sch = tl.create_schedule(model)
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "sch['1'].Verify(...): the scheduled model raised RuntimeError")):
+        with tl.Verify(sch, (torch.randn(3, 4),), static_check=False):
+            sch["0"].replace(nn.Linear(4, 6))
+
+
+def test_meta_models_are_refused():
+    with tl.init_empty_weights():
+        model = nn.Linear(2, 2)
+    with pytest.raises(tl.VerificationError, match="the model has parameters on the meta device"):
+        with tl.Verify(tl.create_schedule(model), (torch.ones(1, 2),)):
+            pass
+
+
+def test_static_check_alone_in_one_process():
+    model = tiny.gpt2()
+    sch = tl.create_schedule(model)
+    sch["transformer.h.0.ln_1"].shard("weight", 0)
+    report = check(sch)
+    assert [(f.path, f.rule) for f in report.findings] == [("transformer.h.0.ln_1", "sharded norm")]
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "sch['transformer.h.0.ln_1'].Verify(...): the static check refuses the schedule: "
+            "sharded norm")):
+        with tl.Verify(sch, _inputs()):
+            pass
