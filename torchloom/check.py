@@ -9,9 +9,10 @@ the fix:
 1. **partial never reduced**: a row-parallel module's partial sum is not all-reduced
    (nor reduce-scattered) by a ``fwd_post`` sync on it or on any module around it, so
    the next operation (an activation, a norm, the loss) sees a fraction of the value;
-2. **sharded output never consumed**: a column-parallel module's sharded output is
-   neither gathered nor fed to a row-parallel module inside any enclosing module, so a
-   module that expects the whole activation would get a slice;
+2. **sharded output never consumed**: a column-parallel module's sharded output is not
+   gathered, and the next module with weights (in module order, after any further
+   column-parallel ones) is not row parallel, so it would get a slice of an activation
+   it expects whole;
 3. **gradient left partial**: a column-parallel module (or its enclosing block) has no
    ``bwd_post`` all-reduce and no ``fwd_pre`` all-gather, so the gradient of its input
    stays a per-rank partial sum (invisible in the forward pass);
@@ -22,7 +23,9 @@ the fix:
    from an enclosing module), so the bias is counted ``world_size`` times.
 
 The module tree is what is checked; inside a module the data flow is not visible, so
-rules 1-3 accept any enclosing module as the place where a region closes.
+rules 1 and 3 accept any enclosing module as the place where a region closes, and rule
+2 follows module order (the order in which models register, and Megatron regions run,
+their layers).
 
 >>> import torch, torchloom as tl
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
@@ -138,14 +141,29 @@ def _is_feature_norm(module: nn.Module) -> bool:
     return any("LayerNorm" in n or "RMSNorm" in n for n in names)
 
 
-def _subtree_has_row_parallel(node: Schedule) -> bool:
-    return any(output_placement(s.mod) == Placement.partial() for _, s in node.named_schedules())
+def _next_weighted_leaf(leaves: list[tuple[str, nn.Module]],
+                        module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first leaf with a weight after ``module`` in module order that is not itself
+    column parallel (chains of column-parallel modules, such as q, k, v, are skipped)."""
+    index = next((i for i, (_, m) in enumerate(leaves) if m is module), None)
+    if index is None:
+        return None
+    for path, leaf in leaves[index + 1:]:
+        if leaf._parameters.get("weight") is None:
+            continue
+        placement = effective_output_placement(leaf)
+        if placement is not None and placement.kind == "shard" and \
+                output_placement(leaf) == placement:
+            continue  # another column-parallel module of the same region
+        return path, leaf
+    return None
 
 
 def check(sch: Schedule) -> CheckReport:
     """Check the whole tree of ``sch`` (from its root) against the rules above."""
     root = sch.root
     report = CheckReport()
+    leaves = [(path, m) for path, m in root.mod.named_modules() if not m._modules]
     seen: set[int] = set()
     for _, node in root.named_schedules():
         module = node.mod
@@ -181,17 +199,17 @@ def check(sch: Schedule) -> CheckReport:
 
         if placement is not None and placement.kind == "shard" and not _is_feature_norm(module):
             if effective is not None and effective.kind == "shard":
-                consumed = any(_subtree_has_row_parallel(a) or
-                               _has_sync(a.mod, "fwd_post", _GATHERING, callables=True)
-                               for a in ancestors)
-                if not consumed:
+                consumer = _next_weighted_leaf(leaves, module)
+                if consumer is None or output_placement(consumer[1]) != Placement.partial():
+                    whom = (f"the next module with weights, {consumer[0]!r}, holds them whole "
+                            "and expects the whole activation" if consumer is not None
+                            else "no row-parallel module follows it")
                     report.findings.append(Finding(
                         where, "sharded output never consumed",
                         f"the output of this column-parallel {kind} is sharded along axis "
-                        f"{placement.axis} and is neither gathered nor fed to a row-parallel "
-                        "module in any enclosing module",
+                        f"{placement.axis} and is not gathered; {whom}",
                         f"sch[{where!r}].sync('fwd_post', 'all_gather', axis={placement.axis}) "
-                        "or shard the consumer along its input axis"))
+                        "or shard the consumer along its input axis (row parallel)"))
             covered = any(
                 _has_sync(m, "bwd_post", ("all_reduce",), callables=True)
                 or _has_sync(m, "fwd_pre", ("all_gather", "SR->RR", "RS->RR"))

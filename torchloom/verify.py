@@ -15,8 +15,11 @@ same model). When the block exits without an exception:
    reference, a partial sum after summing it across ranks); then the gradient each
    module passes to its input, in backward order; then every parameter's gradient (a
    sharded parameter against the matching slice of the reference gradient);
-4. the first difference larger than ``atol + rtol * |reference|`` raises
-   :class:`VerificationError` naming the module path, what differed and by how much.
+4. the first tensor whose largest difference exceeds ``atol + rtol * max|reference|``
+   raises :class:`VerificationError` naming the module path, what differed and by how
+   much. The bound scales with the tensor's largest magnitude, not element by element:
+   a reordered sum (tensor parallelism) leaves round-off relative to the terms summed,
+   which an element near zero does not show.
 
 Every global state Verify touches (random generators, the RNG tracker, grad mode, the
 training flags, the parameters' ``.grad``, its hooks) is restored, also on failure.
@@ -27,9 +30,11 @@ Modules that a ``replace`` introduced have no reference at their path and are co
 through their outputs; their new parameters are compared only if ``param_map`` maps them
 to reference parameter names (``{"mlp.fused.weight": "mlp.c_fc.weight"}``).
 
-Tolerances: ``rtol=1e-5, atol=1e-5`` by default, suitable for fp32 where a schedule only
-reorders sums (tensor parallelism, fused kernels); use ``0, 0`` to demand bitwise
-equality (checkpointing, annotate).
+Tolerances: ``rtol=1e-4, atol=1e-7`` by default (relative to each tensor's largest
+magnitude), suitable for fp32 where a schedule only reorders sums (tensor parallelism,
+fused kernels): their round-off is about 1e-6 of the largest term, while a wrong schedule
+errs by a sizeable fraction of it. Use ``0, 0`` to demand bitwise equality
+(checkpointing, annotate).
 
 >>> import torch, torchloom as tl
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))
@@ -41,7 +46,7 @@ equality (checkpointing, annotate).
 Traceback (most recent call last):
 ...
 torchloom.verify.VerificationError: sch['1'].Verify(...): the forward output differs from the original model's
-    values: phase='forward output', call=0, max_abs_error=..., rtol=1e-05, atol=1e-05
+    values: phase='forward output', call=0, max_abs_error=..., rtol=0.0001, atol=1e-07
     fix: look at what the schedule did at or below this path: sch['1'].replace(...)
 """
 
@@ -59,6 +64,7 @@ from . import collectives as C
 from .check import check, effective_output_placement
 from .errors import ScheduleError
 from .meta import ShardSpec, shard_spec
+from .placement import output_placement
 from .rng import get_rng_tracker
 
 if TYPE_CHECKING:
@@ -83,11 +89,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` if the model computed one, else a fixed random projection of the
+    first output tensor (its gradient is O(1) everywhere, unlike a mean)."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
     first = _tensors(output)[0]
-    return first.float().square().mean()
+    weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(0))
+    return (first.float() * weights.to(first.device)).sum()
 
 
 @dataclass
@@ -193,8 +202,8 @@ class Verify:
         example_inputs: tuple | dict,
         device: str | torch.device = "cpu",
         check_backward: bool = True,
-        rtol: float = 1e-5,
-        atol: float = 1e-5,
+        rtol: float = 1e-4,
+        atol: float = 1e-7,
         enable: bool = True,
         seed: int = 2024,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -382,6 +391,29 @@ class Verify:
                           rank=C.group_rank(self.sch.group), chunks=chunks)
         return local.slice(ref)
 
+    def _is_partial(self, path: str, module: nn.Module, forward: bool) -> bool:
+        """Whether the recorded value of ``module`` is a legitimate per-rank partial sum:
+        the output of a row-parallel module that an enclosing block reduces, or the input
+        gradient of a column-parallel module whose reduction sits on an enclosing block.
+        (A partial sum nothing reduces is a bug and is compared as it is.)"""
+        if forward:
+            placement = effective_output_placement(module)
+            if placement is None or placement.kind != "partial":
+                return False
+            parts = path.split(".")
+            for depth in range(len(parts) - 1, -1, -1):
+                ancestor = self.sch.mod.get_submodule(".".join(parts[:depth]))
+                if any(s.mode == "fwd_post" and s.op in ("all_reduce", "reduce_scatter")
+                       for s in getattr(ancestor, "_torchloom_syncs", [])):
+                    return True
+            return False
+        placement = output_placement(module)
+        if placement is None or placement.kind != "shard":
+            return False
+        own = getattr(module, "_torchloom_syncs", [])
+        return not any((s.mode == "bwd_post" and s.op == "all_reduce")
+                       or (s.mode == "fwd_pre" and s.op == "all_gather") for s in own)
+
     def _errors(self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[float]:
         """Per pair, how far it is beyond tolerance (<= 0: fine; nan: incomparable),
         agreed across ranks."""
@@ -391,8 +423,11 @@ class Verify:
                 excess.append(float("nan"))
                 continue
             diff = (value.double() - ref.double()).abs()
-            bound = self.atol + self.rtol * ref.double().abs()
-            excess.append(float((diff - bound).max()) if diff.numel() else 0.0)
+            if not diff.numel():
+                excess.append(0.0)
+                continue
+            bound = self.atol + self.rtol * float(ref.double().abs().max())
+            excess.append(float(diff.max()) - bound)
         if self._distributed() and excess:
             tensor = torch.tensor([(-1e300 if e != e else e) for e in excess], dtype=torch.float64)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sch.group)
@@ -409,9 +444,7 @@ class Verify:
                 pairs.append((record.value, None))
                 continue
             value = record.value
-            if forward and record.module is not None and \
-                    effective_output_placement(record.module) is not None and \
-                    effective_output_placement(record.module).kind == "partial":
+            if record.module is not None and self._is_partial(record.path, record.module, forward):
                 value = C.all_reduce_raw(value, self.sch.group)  # a sum of per-rank parts
             pairs.append((value, self._local_reference(value, ref.value, record.module, forward)))
         for record, (value, ref), excess in zip(records, pairs, self._errors(pairs)):
