@@ -137,3 +137,24 @@ class RecipeError(ScheduleError):
 
 class BuildError(ScheduleError):
     """``build`` cannot materialise or assemble the model."""
+
+
+class TraceError(ScheduleError):
+    """``trace`` / ``trace_until`` cannot turn the module into a graph (or a graph primitive
+    needs a traced module)."""
+
+
+class TraceGuardError(TraceError):
+    """A traced graph is called with inputs that take another path than the example it was
+    traced with (raised at run time by the graph's guards)."""
+
+
+class PatternError(ScheduleError):
+    """``find`` was given a pattern it cannot use, or a match is not valid any more."""
+
+
+class FuseError(ScheduleError):
+    """``fuse`` or ``decompose`` cannot be applied as asked."""
+
+
+__all__ += ["TraceError", "TraceGuardError", "PatternError", "FuseError"]

@@ -286,7 +286,7 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
         )
     if op in RESHARD_SPECS and kwargs:
         raise SyncError(
-            f"a reshard spec names its axes itself and takes no keyword arguments",
+            "a reshard spec names its axes itself and takes no keyword arguments",
             path=sch.path, primitive=NAME, values={"op": op, "kwargs": sorted(kwargs)},
             fix=f"sch[{sch.path!r}].sync({mode!r}, {op!r})",
         )
