@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism of transformers models on two gloo ranks.
 
 GPT-2 (Conv1D, fused q/k/v), BERT and Llama, attention and MLP sharded Megatron-style by
-``shard`` + ``sync`` only, against the single-process model with the same weights:
+the built-in schedules (:mod:`torchloom.models`, only ``shard`` + ``sync``), against the
+single-process model with the same weights:
 
 * logits equal within 1e-5 (fp32; the ranks add partial products in another order);
 * every sharded parameter's gradient equals the matching slice of the reference
@@ -9,7 +10,7 @@ GPT-2 (Conv1D, fused q/k/v), BERT and Llama, attention and MLP sharded Megatron-
 * three SGD steps later the losses still match;
 * the collectives per forward and per backward are exactly the expected numbers.
 
-The same for sequence parallelism (GPT-2 and Llama). One process-group launch runs it all.
+The same for sequence parallelism. One process-group launch runs it all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from torch import nn
 import torchloom as tl
 from tests.test_collectives_dist import _free_port
 from torchloom.collectives import count_collectives
+from torchloom.models._common import column, row
+from torchloom.models.bert import schedule_bert
+from torchloom.models.gpt2 import schedule_gpt2, split_qkv_per_rank
+from torchloom.models.llama import schedule_llama
 
 WORLD = 2
 LAYERS = 2
@@ -59,95 +64,20 @@ def llama() -> nn.Module:
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
-def gpt2_attention_split(old: nn.Module) -> nn.Module:
-    """GPT-2 attention splits c_attn's output into q/k/v by ``split_size``; after a
-    ``chunks=3`` shard each rank's output is ``[q_r | k_r | v_r]``, a third of ``nf``."""
-    old.split_size = old.c_attn.nf // 3
-    return old
-
-
-# --------------------------------------------------------------------------- schedules
-
-
-def column(sch: tl.Schedule, chunks: int = 1) -> None:
-    """Column parallel: split the output features (Conv1D keeps its weight as (in, out))."""
-    kw = {"chunks": chunks} if chunks > 1 else {}
-    sch.shard("weight", 1 if type(sch.mod).__name__ == "Conv1D" else 0, **kw)
-    if sch.mod.bias is not None:
-        sch.shard("bias", 0, **kw)
-
-
-def row(sch: tl.Schedule) -> None:
-    sch.shard("weight", 0 if type(sch.mod).__name__ == "Conv1D" else 1)
+# The schedules under test are the library's built-in ones.
+gpt2_attention_split = split_qkv_per_rank
 
 
 def tp_gpt2(sch: tl.Schedule, sp: bool) -> None:
-    for i in range(LAYERS):
-        block = sch[f"transformer.h.{i}"]
-        column(block["attn.c_attn"], chunks=3)
-        block["attn"].replace(gpt2_attention_split)
-        row(block["attn.c_proj"])
-        column(block["mlp.c_fc"])
-        row(block["mlp.c_proj"])
-        if sp:
-            for sub in ("attn", "mlp"):
-                block[sub].sync("fwd_pre", "all_gather", axis=1)
-                block[f"{sub}.c_proj"].sync("fwd_post", "reduce_scatter", axis=1)
-                block[f"{sub}.c_proj"].sync("param_grad", "all_reduce")
-            block["ln_1"].sync("param_grad", "all_reduce")
-            block["ln_2"].sync("param_grad", "all_reduce")
-        else:
-            for sub in ("attn", "mlp"):
-                block[sub].sync("bwd_post", "all_reduce")
-                block[f"{sub}.c_proj"].sync("fwd_post", "all_reduce")
-    if sp:
-        sch["transformer.drop"].sync("fwd_post", "scatter", axis=1)
-        sch["transformer.ln_f"].sync("param_grad", "all_reduce")
-        sch["transformer.ln_f"].sync("fwd_post", "all_gather", axis=1,
-                                     tensor_parallel_output_grad=False)
+    schedule_gpt2(sch, tp=True, sequence_parallel=sp)
 
 
 def tp_bert(sch: tl.Schedule, sp: bool) -> None:
-    assert not sp
-    for i in range(LAYERS):
-        layer = sch[f"bert.encoder.layer.{i}"]
-        for name in ("query", "key", "value"):
-            column(layer[f"attention.self.{name}"])
-        layer["attention.self"].sync("bwd_post", "all_reduce", input_name="hidden_states")
-        row(layer["attention.output.dense"])
-        layer["attention.output.dense"].sync("fwd_post", "all_reduce")
-        column(layer["intermediate.dense"])
-        layer["intermediate"].sync("bwd_post", "all_reduce")
-        row(layer["output.dense"])
-        layer["output.dense"].sync("fwd_post", "all_reduce")
+    schedule_bert(sch, tp=True, sequence_parallel=sp)
 
 
 def tp_llama(sch: tl.Schedule, sp: bool) -> None:
-    for i in range(LAYERS):
-        layer = sch[f"model.layers.{i}"]
-        for name in ("q_proj", "k_proj", "v_proj"):
-            column(layer[f"self_attn.{name}"])
-        for name in ("gate_proj", "up_proj"):
-            column(layer[f"mlp.{name}"])
-        row(layer["self_attn.o_proj"])
-        row(layer["mlp.down_proj"])
-        op, kw = ("reduce_scatter", {"axis": 1}) if sp else ("all_reduce", {})
-        layer["self_attn.o_proj"].sync("fwd_post", op, **kw)
-        layer["mlp.down_proj"].sync("fwd_post", op, **kw)
-        if sp:
-            layer["self_attn"].sync("fwd_pre", "all_gather", axis=1, input_name="hidden_states")
-            layer["mlp"].sync("fwd_pre", "all_gather", axis=1)
-            layer["input_layernorm"].sync("param_grad", "all_reduce")
-            layer["post_attention_layernorm"].sync("param_grad", "all_reduce")
-        else:
-            layer["self_attn"].sync("bwd_post", "all_reduce", input_name="hidden_states")
-            layer["mlp"].sync("bwd_post", "all_reduce")
-    if sp:
-        # Scatter at the first layer, not at the embedding: LlamaModel derives positions and
-        # the attention mask from the embedding's sequence length.
-        sch["model.layers.0"].sync("fwd_pre", "scatter", axis=1, input_name="hidden_states")
-        sch["model.norm"].sync("param_grad", "all_reduce")
-        sch["model.norm"].sync("fwd_post", "all_gather", axis=1, tensor_parallel_output_grad=False)
+    schedule_llama(sch, tp=True, sequence_parallel=sp)
 
 
 # Collectives per step. Megatron TP: per layer, one all-reduce after each row-parallel
@@ -172,6 +102,8 @@ CASES: list[tuple[str, Callable[[], nn.Module], Callable[[tl.Schedule, bool], No
     ("gpt2-sp", gpt2, tp_gpt2, True, 6 * LAYERS + 2),
     # Llama: two RMSNorm weights per layer and the final norm's.
     ("llama-sp", llama, tp_llama, True, 2 * LAYERS + 1),
+    # BERT: two LayerNorms (weight + bias) and two row-parallel biases per layer.
+    ("bert-sp", bert, tp_bert, True, 6 * LAYERS),
 ]
 
 

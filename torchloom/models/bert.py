@@ -1,0 +1,46 @@
+"""The built-in schedule of transformers BERT (``BertForMaskedLM``, ``BertModel``, ...)."""
+
+from __future__ import annotations
+
+from ..schedule import Schedule
+from ._common import SEQ_AXIS, column, row, sp_norms
+
+__all__ = ["schedule_bert"]
+
+
+def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
+                  ckpt_ratio: float = 0.0) -> None:
+    """Megatron TP (and SP) over self-attention and the feed-forward block, then
+    checkpoint the first ``ckpt_ratio`` of the layers."""
+    base = "bert.encoder" if "bert" in sch.child else "encoder"
+    layers = sch[f"{base}.layer"]
+    if tp:
+        for layer in sch[f"{base}.layer.*"]:
+            # self-attention: q, k, v column parallel, the output dense row parallel; the
+            # region spans two sibling modules, so its syncs sit on their parent.
+            for name in ("query", "key", "value"):
+                column(layer[f"attention.self.{name}"])
+            row(layer["attention.output.dense"])
+            # the feed-forward block: intermediate.dense column, output.dense row
+            column(layer["intermediate.dense"])
+            row(layer["output.dense"])
+            for entry, out in (("attention.self", "attention.output.dense"),
+                               ("intermediate", "output.dense")):
+                if sequence_parallel:
+                    layer[entry].sync("fwd_pre", "all_gather", axis=SEQ_AXIS)
+                    layer[out].sync("fwd_post", "reduce_scatter", axis=SEQ_AXIS)
+                    layer[out].sync("param_grad", "all_reduce")
+                else:
+                    layer[entry].sync("bwd_post", "all_reduce")
+                    layer[out].sync("fwd_post", "all_reduce")
+            if sequence_parallel:
+                sp_norms([layer["attention.output.LayerNorm"], layer["output.LayerNorm"]])
+        if sequence_parallel:
+            first, last = layers["0"], layers[str(len(layers.child) - 1)]
+            first.sync("fwd_pre", "scatter", axis=SEQ_AXIS)
+            last.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
+    if ckpt_ratio:
+        layers.checkpoint(ratio=ckpt_ratio)
+
+
+

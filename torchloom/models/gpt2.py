@@ -1,0 +1,38 @@
+"""The built-in schedule of transformers GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..schedule import Schedule
+from ._common import SEQ_AXIS, region, sp_norms
+
+__all__ = ["schedule_gpt2", "split_qkv_per_rank"]
+
+
+def split_qkv_per_rank(old: nn.Module) -> nn.Module:
+    """GPT-2 attention splits ``c_attn``'s output into q, k, v of ``split_size`` each; after
+    the ``chunks=3`` shard a rank's output is ``[q_r | k_r | v_r]``, a third of ``nf``."""
+    old.split_size = old.c_attn.nf // 3
+    return old
+
+
+def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
+                  ckpt_ratio: float = 0.0) -> None:
+    """Megatron TP (and SP) over attention and MLP, then checkpoint the first
+    ``ckpt_ratio`` of the blocks."""
+    base = "transformer." if "transformer" in sch.child else ""
+    if tp:
+        for block in sch[f"{base}h.*"]:
+            region(block["attn"], ["c_attn"], "c_proj", sequence_parallel, chunks=3)
+            block["attn"].replace(split_qkv_per_rank)
+            region(block["mlp"], ["c_fc"], "c_proj", sequence_parallel)
+            if sequence_parallel:
+                sp_norms([block["ln_1"], block["ln_2"]])
+        if sequence_parallel:
+            sch[f"{base}drop"].sync("fwd_post", "scatter", axis=SEQ_AXIS)
+            sp_norms([sch[f"{base}ln_f"]])
+            sch[f"{base}ln_f"].sync("fwd_post", "all_gather", axis=SEQ_AXIS,
+                                    tensor_parallel_output_grad=False)
+    if ckpt_ratio:
+        sch[f"{base}h"].checkpoint(ratio=ckpt_ratio)
