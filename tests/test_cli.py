@@ -76,3 +76,24 @@ def test_python_dash_m_runs_the_cli():
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"torchloom {tl.__version__}"
+
+
+def test_verify_on_two_ranks(run):
+    result = run("verify", "bert", "--tp", "2", "--sp")
+    assert result.exit_code == 0, result.output
+    assert "ok: 38 primitive calls, the scheduled model computes what the original does" \
+        in result.output
+    assert "equal" in result.output and "differs" not in result.output
+
+
+def test_verify_in_one_process_and_its_errors(run):
+    result = run("verify", "llama", "--ckpt-ratio", "0.5")
+    assert result.exit_code == 0, result.output
+    assert "ok: 23 primitive calls" in result.output
+    result = run("verify", "gpt2", "--sp")
+    assert result.exit_code == 2
+    assert "sequence parallelism needs at least two tensor-parallel ranks" in result.output
+    assert "torchloom verify gpt2 --tp 2 --sp" in result.output
+    result = run("verify", "t5")
+    assert result.exit_code == 2
+    assert "there is no built-in schedule for T5ForConditionalGeneration" in result.output

@@ -7,6 +7,8 @@ Commands:
   bar, the loss as it falls, and the throughput in tokens/s;
 * ``torchloom show MODEL``: print the schedule tree of a zoo model, optionally with the
   demo schedule applied;
+* ``torchloom verify MODEL --tp N``: apply the model's built-in schedule inside
+  :class:`~torchloom.Verify` on N local ranks and report what was compared;
 * ``torchloom list-primitives``: the primitives a schedule offers.
 
 A :class:`~torchloom.errors.ScheduleError` is printed as its message, without a
@@ -267,6 +269,76 @@ def list_primitives_command() -> None:
         doc = doc.split("; see ")[0].rstrip(".") + "."
         table.add_row(name, escape(call), escape(doc))
     Console().print(table)
+
+
+def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,
+                ckpt_ratio: float, seed: int) -> dict[str, Any]:
+    """One rank of ``torchloom verify``: the built-in schedule under Verify."""
+    from . import models
+    from .verify import VerificationError, Verify
+
+    model = zoo.make_model(model_name, "tiny", seed=seed)
+    if tp > 1:
+        # Dropout inside a tensor-parallel region draws per-rank masks (fork_rng), which no
+        # single-process model can reproduce: verify the arithmetic with dropout off.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    inputs = zoo.example_inputs(model_name, model, batch_size=2, seq_len=16)
+    sch = create_schedule(model)
+    verify = Verify(sch, inputs)
+    try:
+        with verify:
+            models.apply_schedule(sch, tp=True, sequence_parallel=sequence_parallel,
+                                  ckpt_ratio=ckpt_ratio)
+    except VerificationError as err:
+        return {"ok": False, "message": str(err), "stats": verify.stats,
+                "primitives": len(sch.recipe)}
+    return {"ok": True, "message": "", "stats": verify.stats, "primitives": len(sch.recipe)}
+
+
+@app.command()
+@_clean_errors
+def verify(
+    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    tp: int = typer.Option(1, min=1, max=4, help="Tensor-parallel ranks (local gloo processes)."),
+    sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (needs --tp 2 or more)."),
+    ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
+                                     help="Checkpoint this fraction of the layers."),
+    seed: int = typer.Option(0, help="Seed of the model's weights and the inputs."),
+) -> None:
+    """Verify a model's built-in schedule against the unscheduled model (forward outputs,
+    input gradients and parameter gradients), on TP local ranks."""
+    from .launch import run_ranks
+
+    console = Console()
+    if sp and tp < 2:
+        raise ScheduleError("sequence parallelism needs at least two tensor-parallel ranks",
+                            primitive="torchloom verify", values={"tp": tp, "sp": sp},
+                            fix=f"torchloom verify {model} --tp 2 --sp")
+    console.print(f"verifying the built-in schedule of [bold]{model}[/] (tiny) on {tp} "
+                  f"rank{'s' if tp > 1 else ''}{' with sequence parallelism' if sp else ''}...")
+    results = run_ranks(verify_rank, tp, model, tp, sp, ckpt_ratio, seed)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        console.print(failed[0].get("traceback", failed[0]["error"]))
+        raise typer.Exit(code=1)
+    table = Table(title=f"torchloom verify {model} --tp {tp}{' --sp' if sp else ''}")
+    table.add_column("rank")
+    for phase in ("forward output", "input gradient", "parameter gradient"):
+        table.add_column(f"{phase}s compared", justify="right")
+    table.add_column("verdict")
+    for rank, result in enumerate(results):
+        stats = result["stats"]
+        table.add_row(str(rank), *(str(stats.get(p, "-")) for p in
+                                   ("forward output", "input gradient", "parameter gradient")),
+                      "[green]equal[/]" if result["ok"] else "[red]differs[/]")
+    console.print(table)
+    if not results[0]["ok"]:
+        console.print(escape(results[0]["message"]))
+        raise typer.Exit(code=1)
+    console.print(f"[green]ok[/]: {results[0]['primitives']} primitive calls, the scheduled model "
+                  "computes what the original does")
 
 
 def _param_text(param: inspect.Parameter) -> str:

@@ -222,6 +222,9 @@ class Verify:
         self.static_check = static_check
         self.reference: nn.Module | None = None
         self._recipe_start = 0
+        #: what the last verification compared: tensors per phase (incomparable ones,
+        #: such as modules a replacement introduced, are not counted)
+        self.stats: dict[str, int] = {}
 
     # ------------------------------------------------------------------ context
 
@@ -447,6 +450,7 @@ class Verify:
             if record.module is not None and self._is_partial(record.path, record.module, forward):
                 value = C.all_reduce_raw(value, self.sch.group)  # a sum of per-rank parts
             pairs.append((value, self._local_reference(value, ref.value, record.module, forward)))
+        self.stats[phase] = sum(ref is not None for _, ref in pairs)
         for record, (value, ref), excess in zip(records, pairs, self._errors(pairs)):
             if excess == excess and excess > 0:  # not nan, beyond tolerance
                 assert ref is not None
@@ -472,6 +476,7 @@ class Verify:
                 continue
             names.append(name)
             pairs.append((param.grad, expected))
+        self.stats["parameter gradient"] = len(pairs)
         for name, (value, ref), excess in zip(names, pairs, self._errors(pairs)):
             if excess == excess and excess > 0:
                 path = name.rpartition(".")[0]
