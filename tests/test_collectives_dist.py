@@ -8,24 +8,17 @@ from the single-process result by round-off only, so tolerances are 1e-6.
 from __future__ import annotations
 
 import copy
-import datetime
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import torchloom as tl
+from tests.dist import spawn
+from torchloom.launch import free_port as _free_port  # noqa: F401 (used by test_state_dist)
 from torchloom import collectives as C
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_collectives(rank: int) -> None:
@@ -120,19 +113,5 @@ def _check_megatron_mlp(rank: int) -> None:
     torch.testing.assert_close(model[2].bias.grad, reference[2].bias.grad, rtol=1e-6, atol=1e-6)
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        _check_collectives(rank)
-        _check_reshards(rank)
-        _check_megatron_mlp(rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_collectives_and_tensor_parallel_mlp_on_two_ranks():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_check_collectives, _check_reshards, _check_megatron_mlp)

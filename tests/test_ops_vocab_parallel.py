@@ -8,18 +8,15 @@ result by round-off only.
 from __future__ import annotations
 
 import copy
-import datetime
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import torchloom as tl
+from tests.dist import spawn
 from torchloom.errors import ScheduleError, ShardError
 from torchloom.ops import (
     VocabParallelEmbedding,
@@ -125,11 +122,6 @@ def test_bad_inputs_raise_shard_errors():
 # --------------------------------------------------------------------- two ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _check_embedding(rank: int) -> None:
     torch.manual_seed(0)
@@ -220,19 +212,5 @@ def _check_gpt2(rank: int) -> None:
     assert counts == {"c10d.allreduce_": 3}, counts
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        _check_embedding(rank)
-        _check_cross_entropy(rank)
-        _check_gpt2(rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_vocab_parallel_on_two_ranks():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_check_embedding, _check_cross_entropy, _check_gpt2)

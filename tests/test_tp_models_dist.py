@@ -16,17 +16,15 @@ The same for sequence parallelism. One process-group launch runs it all.
 from __future__ import annotations
 
 import copy
-import datetime
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch import nn
 
 import torchloom as tl
-from tests.test_collectives_dist import _free_port
+from tests.dist import spawn
 from torchloom.collectives import count_collectives
 from torchloom.models._common import column, row
 from torchloom.models.bert import schedule_bert
@@ -200,19 +198,10 @@ def _check_dropout(rank: int) -> None:
     assert torch.equal(states[0], states[1])  # the default generator is still in step
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        for case in CASES:
-            _check_case(rank, *case)
-        _check_dropout(rank)
-    finally:
-        dist.destroy_process_group()
+def _check_cases(rank: int) -> None:
+    for case in CASES:
+        _check_case(rank, *case)
 
 
 def test_megatron_tp_and_sp_on_gpt2_bert_llama():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_check_cases, _check_dropout)

@@ -8,15 +8,12 @@ run (forward or backward). One process-group launch runs every case; all ranks m
 
 from __future__ import annotations
 
-import datetime
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import torchloom as tl
-from tests.test_collectives_dist import _free_port
+from tests.dist import spawn
 from tests.test_tp_models_dist import CASES, column, gpt2, gpt2_attention_split, row
 from tests.test_verify import UnseededCheckpoint
 from torchloom import collectives as C
@@ -133,22 +130,9 @@ def _run_correct(rank: int) -> None:
             schedule(sch, sp)
 
 
-def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        _run_correct(rank)
-        _run_planted(rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_planted_bugs_are_caught_and_correct_schedules_pass():
     assert len({bug for bug, *_ in PLANTED}) >= 8
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_run_correct, _run_planted)
 
 
 

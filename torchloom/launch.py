@@ -43,7 +43,8 @@ def init_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,6 +81,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     if world_size == 1:
         return [fn(0, *args)]
     with tempfile.TemporaryDirectory(prefix="torchloom-ranks-") as out_dir:
-        mp.spawn(_worker, args=(world_size, _free_port(), out_dir, fn, args, timeout_s),
+        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, timeout_s),
                  nprocs=world_size, join=True)
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
