@@ -14,6 +14,7 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
+from . import ops  # noqa: E402  (the kernel library; imports torchloom.collectives)
 from .build import build, init_empty_weights
 from .check import CheckReport, Finding, check
 from .errors import (
@@ -34,7 +35,6 @@ from .recipe import Recipe, RecipeEntry, apply_recipe
 from .rng import set_random_seed
 from .schedule import Schedule, ScheduleGroup, create_schedule
 from .verify import VerificationError, Verify
-from . import ops  # noqa: E402  (the kernel library; imports torchloom.collectives)
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from ..errors import PathError
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-__all__ = ["find_tensor", "owners_of"]
+__all__ = ["ForwardWrapper", "find_tensor", "owners_of"]
 
 
 def find_tensor(sch: Schedule, name: str, primitive: str) -> tuple[nn.Module, str, torch.Tensor, bool]:
@@ -56,3 +56,24 @@ def owners_of(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, st
             if value is tensor:
                 slots.append((module, attr, False))
     return slots
+
+
+class ForwardWrapper:
+    """Base of the instance ``forward`` objects that primitives install (checkpoint,
+    fork_rng) instead of wrapping the module in a new one, so module paths and state-dict
+    keys stay the same.
+
+    A callable object rather than a closure, so that ``copy.deepcopy`` and pickling of the
+    module carry it along pointing at the copy. ``inner`` is None (call the class forward)
+    or the instance forward that was installed before, so wrappers compose.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any, path: str) -> None:
+        self.module = module
+        self.inner = inner
+        self.path = path
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)

@@ -73,6 +73,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..errors import CheckpointError
 from ..rng import get_rng_tracker
+from ._common import ForwardWrapper
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -137,23 +138,8 @@ def tracker_context_fn() -> tuple[_TakeSnapshot, _ReplaySnapshot]:
 # --------------------------------------------------------------------------- the forward
 
 
-class _CheckpointForward:
-    """The instance ``forward`` installed by ``checkpoint``.
-
-    A callable object rather than a closure, so that ``copy.deepcopy`` and pickling of the
-    module carry it along pointing at the copy. ``inner`` is None (call the class forward)
-    or the instance forward that was installed before.
-    """
-
-    def __init__(self, module: nn.Module, inner: Any, path: str) -> None:
-        self.module = module
-        self.inner = inner
-        self.path = path
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+class _CheckpointForward(ForwardWrapper):
+    """The instance ``forward`` installed by ``checkpoint``."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):

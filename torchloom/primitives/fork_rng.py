@@ -46,6 +46,7 @@ from torch import nn
 
 from ..errors import RngError
 from ..rng import MODEL_PARALLEL, get_rng_tracker
+from ._common import ForwardWrapper
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -65,23 +66,8 @@ def _device_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     return torch.device("cpu")
 
 
-class _ForkRngForward:
-    """The instance ``forward`` installed by ``fork_rng``.
-
-    A callable object rather than a closure: ``copy.deepcopy`` and pickling of the module
-    then carry it along, pointing at the copy (``inner`` is None for the class forward, or
-    the instance forward that was installed before).
-    """
-
-    def __init__(self, module: nn.Module, inner: Any, path: str) -> None:
-        self.module = module
-        self.inner = inner
-        self.path = path
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+class _ForkRngForward(ForwardWrapper):
+    """The instance ``forward`` installed by ``fork_rng``."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tracker = get_rng_tracker()
