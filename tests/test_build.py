@@ -12,7 +12,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import torchloom as tl
-from torchloom.build import _slice_for_rank, build, init_empty_weights
+from torchloom.build import build, init_empty_weights
+from torchloom.meta import ShardSpec
 from torchloom.errors import BuildError
 from torchloom.meta import ShardSpec, get_meta, shard_spec
 
@@ -329,10 +330,10 @@ def test_hf_is_initialized_flag_does_not_stop_init_weights():
 
 def test_slice_for_rank_takes_the_ranks_piece():
     full = torch.arange(24.0).reshape(4, 6)
-    assert torch.equal(_slice_for_rank(full, 0, 2, 1), full[2:])
-    piece = _slice_for_rank(full, 1, 3, 2)
-    assert torch.equal(piece, full[:, 4:]) and piece.is_contiguous()
-    assert torch.equal(_slice_for_rank(full, 1, 1, 0), full)
+    assert torch.equal(ShardSpec(0, (4, 6), 2, 1).slice(full), full[2:])
+    piece = ShardSpec(1, (4, 6), 3, 2).slice(full)
+    assert torch.equal(piece, full[:, 4:])
+    assert torch.equal(ShardSpec(1, (4, 6), 1, 0).slice(full), full)
 
 
 def _fake_world(node: tl.Schedule, world_size: int, rank: int) -> None:
@@ -478,12 +479,20 @@ def test_error_child_schedule():
         build(sch["4"])
 
 
-@pytest.mark.parametrize("target", ["pipeline", "ddp", "fsdp", "deepspeed"])
+@pytest.mark.parametrize("target", ["pipeline", "deepspeed"])
 def test_error_planned_target(target):
     sch = tl.create_schedule(plain_model())
     with pytest.raises(BuildError, match=rf"(?s)target '{target}' is not available in this "
-                       r"version.*supported=\[None\], planned=\['pipeline', 'ddp', 'fsdp', "
+                       r"version.*supported=\[None, 'ddp', 'fsdp'\], planned=\['pipeline', "
                        r"'deepspeed'\].*fix: build the scheduled module itself with target=None"):
+        build(sch, target=target)
+
+
+@pytest.mark.parametrize("target", ["ddp", "fsdp"])
+def test_error_data_parallel_without_a_process_group(target):
+    sch = tl.create_schedule(plain_model())
+    with pytest.raises(BuildError, match=rf"(?s)target '{target}' needs an initialised process "
+                       r"group.*fix: start with torchrun"):
         build(sch, target=target)
 
 

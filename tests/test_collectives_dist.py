@@ -14,7 +14,6 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom.launch import free_port as _free_port  # noqa: F401 (used by test_state_dist)
 from torchloom import collectives as C
 
 WORLD = 2

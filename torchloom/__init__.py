@@ -34,12 +34,32 @@ from .primitives import list_primitives
 from .recipe import Recipe, RecipeEntry, apply_recipe
 from .rng import set_random_seed
 from .schedule import Schedule, ScheduleGroup, create_schedule
+from . import state
+from .state import (
+    CheckpointIOError,
+    CheckpointMismatchError,
+    CollectiveTimeoutError,
+    full_optimizer_state_dict,
+    full_state_dict,
+    init_distributed,
+    load,
+    save,
+)
 from .verify import VerificationError, Verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnnotateError",
+    "CheckpointIOError",
+    "CheckpointMismatchError",
+    "CollectiveTimeoutError",
+    "full_optimizer_state_dict",
+    "full_state_dict",
+    "init_distributed",
+    "load",
+    "save",
+    "state",
     "CheckReport",
     "Finding",
     "VerificationError",

@@ -145,8 +145,8 @@ from .meta import ShardSpec, copy_meta, shard_spec
 __all__ = ["build", "init_empty_weights", "SUPPORTED_TARGETS", "PLANNED_TARGETS"]
 
 PRIMITIVE = "build"
-SUPPORTED_TARGETS: tuple[None, ...] = (None,)
-PLANNED_TARGETS: tuple[str, ...] = ("pipeline", "ddp", "fsdp", "deepspeed")
+SUPPORTED_TARGETS: tuple[str | None, ...] = (None, "ddp", "fsdp")
+PLANNED_TARGETS: tuple[str, ...] = ("pipeline", "deepspeed")
 
 _HF_FLAG = "_is_hf_initialized"
 
@@ -239,20 +239,6 @@ def _param_like(old: torch.Tensor, data: torch.Tensor, keep_hf_flag: bool = Fals
         new.__dict__[key] = value
     copy_meta(old, new)
     return new
-
-
-def _slice_for_rank(full: torch.Tensor, axis: int, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's slice of ``full``: ``full.split(size // world_size, axis)[rank]``, as a
-    new contiguous tensor (so the full tensor can be freed).
-
-    >>> t = torch.arange(8).reshape(4, 2)
-    >>> _slice_for_rank(t, 0, 2, 1).tolist()
-    [[4, 5], [6, 7]]
-    >>> _slice_for_rank(t, 1, 2, 0).tolist()
-    [[0], [2], [4], [6]]
-    """
-    piece = full.split(full.shape[axis] // world_size, dim=axis)[rank]
-    return piece.clone(memory_format=torch.contiguous_format)
 
 
 def _pretrained_model_class() -> type | None:
@@ -627,7 +613,7 @@ def _check_schedule(sch: Any) -> None:
 
 
 def _check_target(target: Any) -> None:
-    if target is None:
+    if target in SUPPORTED_TARGETS:
         return
     planned = isinstance(target, str) and target.lower() in PLANNED_TARGETS
     problem = (f"target {target!r} is not available in this version" if planned
@@ -649,13 +635,17 @@ def build(
     optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | None = None,
     *,
     device: str | torch.device = "cpu",
+    mesh: Any = None,
+    fsdp_units: list[str] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Materialise and return the scheduled model, and optionally its optimizer.
 
     Args:
         sch: the root schedule (``torchloom.create_schedule(model)``).
-        target: the form of the result; only None (the scheduled module itself) in this
-            version. ``"pipeline"``, ``"ddp"``, ``"fsdp"`` and ``"deepspeed"`` are planned.
+        target: the form of the result: None (the scheduled module itself), ``"ddp"``
+            (``DistributedDataParallel`` on the data-parallel ranks) or ``"fsdp"`` (FSDP2
+            ``fully_shard`` of each layer and the root); see :mod:`torchloom.parallel`.
+            ``"pipeline"`` and ``"deepspeed"`` are planned.
         init_weights: also re-initialise tensors that are already real (by default they
             keep their values; only ``meta`` tensors are initialised).
         param_init_fn: initialise modules with this instead of their own init code; called
@@ -666,10 +656,16 @@ def build(
             optimizer created before ``build`` would hold the meta parameters that
             ``build`` replaces.
         device: where meta tensors are materialised (real tensors are not moved).
+        mesh: for ``"ddp"`` / ``"fsdp"``, a mesh from :func:`torchloom.parallel.init_mesh`
+            (its ``"dp"`` dimension is used) or a 1-D data-parallel mesh; None: all ranks of
+            the default group are data-parallel ranks.
+        fsdp_units: for ``"fsdp"``, the module paths (wildcards allowed) sharded as units
+            before the root; default: every item of every ``ModuleList``.
 
     Returns:
-        ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place), ``optimizer``
-        is what the factory returned, or None.
+        ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place; wrapped in
+        ``DistributedDataParallel`` for ``"ddp"``), ``optimizer`` is what the factory
+        returned, or None.
 
     Raises:
         BuildError: on a bad argument, a module with meta parameters and no init code, init
@@ -719,6 +715,11 @@ def build(
             builder.rollback()
             raise
 
+    # Data-parallel wrapping comes last (after materialisation); FSDP2 replaces the
+    # parameters, so the optimizer is made after it.
+    from .parallel import wrap_data_parallel
+
+    model = wrap_data_parallel(model, target, mesh, fsdp_units)
     opt = None
     if optimizer is not None:
         try:
