@@ -7,6 +7,8 @@ Commands:
   bar, the loss as it falls, and the throughput in tokens/s;
 * ``torchloom show MODEL``: print the schedule tree of a zoo model, optionally with the
   demo schedule applied;
+* ``torchloom train``: train a zoo model under its built-in schedule on one process or a
+  (dp, tp) mesh (``torchrun`` or local ranks), saving checkpoints and resuming exactly;
 * ``torchloom verify MODEL --tp N``: apply the model's built-in schedule inside
   :class:`~torchloom.Verify` on N local ranks and report what was compared;
 * ``torchloom list-primitives``: the primitives a schedule offers.
@@ -269,6 +271,70 @@ def list_primitives_command() -> None:
         doc = doc.split("; see ")[0].rstrip(".") + "."
         table.add_row(name, escape(call), escape(doc))
     Console().print(table)
+
+
+def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``torchloom train``; rank 0 prints a line per step (the loss in full
+    precision, so runs can be compared bit for bit)."""
+    from .train import train_rank
+
+    def report(step: int, loss: float, speed: float) -> None:
+        if rank == 0:
+            print(f"step {step:>5}  loss {loss!r}  {speed:,.0f} tokens/s", flush=True)
+
+    return train_rank(rank, config, on_step=report)
+
+
+@app.command()
+@_clean_errors
+def train(
+    model: str = typer.Option("gpt2", help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    size: str = typer.Option("tiny", help=f"Model size: {', '.join(zoo.SIZES)}."),
+    steps: int = typer.Option(20, min=1, help="Total training steps."),
+    batch_size: int = typer.Option(8, min=1, help="Sequences per step, over all dp ranks."),
+    seq_len: int = typer.Option(64, min=2, help="Tokens (bytes) per sequence."),
+    lr: float = typer.Option(1e-3, min=0.0, help="Peak AdamW learning rate."),
+    seed: int = typer.Option(0, help="Seed of the weights, the data and dropout."),
+    tp: int = typer.Option(1, min=1, help="Tensor-parallel degree."),
+    dp: int = typer.Option(1, min=1, help="Data-parallel degree (DDP)."),
+    sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (with --tp > 1)."),
+    ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
+                                     help="Checkpoint this fraction of the layers."),
+    save_dir: str = typer.Option(None, help="Checkpoint directory (torchloom.save)."),
+    save_every: int = typer.Option(0, min=0, help="Save every N steps (0: at the end)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint."),
+    stop_after: int = typer.Option(None, min=1, help="Stop (and save) after this step; the "
+                                   "learning-rate schedule stays that of --steps."),
+    threads: int = typer.Option(0, min=0, help="torch threads per rank; 0: cores / ranks."),
+) -> None:
+    """Train a zoo model under its built-in schedule; resumable bit for bit."""
+    from .launch import init_group, run_ranks, under_torchrun
+    from .train import TrainConfig
+
+    config = TrainConfig(model=model, size=size, steps=steps, batch_size=batch_size,
+                         seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp,
+                         sequence_parallel=sp, ckpt_ratio=ckpt_ratio, save_dir=save_dir,
+                         save_every=save_every, resume=resume, stop_after=stop_after).to_dict()
+    world = tp * dp
+    if threads:
+        torch.set_num_threads(threads)
+    elif world == 1 or under_torchrun():
+        torch.set_num_threads(max(1, _available_cores() // max(1, world)))
+    if under_torchrun():
+        init_group()
+        results = [train_rank_cli(torch.distributed.get_rank(), config)]
+    else:
+        results = run_ranks(train_rank_cli, world, config)
+    failed = [r for r in results if isinstance(r, dict) and "error" in r]
+    if failed:
+        # A ScheduleError's text is already the full message; anything else is a bug.
+        Console().print(escape(failed[0]["error"] if failed[0]["schedule_error"]
+                               else failed[0]["traceback"]))
+        raise typer.Exit(code=EXIT_SCHEDULE_ERROR if failed[0]["schedule_error"] else 1)
+    result = results[0]
+    if result["losses"]:
+        print(f"trained steps {result['first_step']}..{result['first_step'] + len(result['losses']) - 1}: loss {result['losses'][0]:.4f} -> "
+              f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
 
 
 def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,

@@ -5,8 +5,8 @@ The command line uses this to start tensor-parallel runs on one machine without
 current process instead, on the group ``torchrun`` set up.
 
 Each rank returns a JSON-serialisable value; :func:`run_ranks` returns them in rank
-order. An exception in a rank is returned as ``{"error": ..., "type": ...}`` so that the
-other ranks' results still arrive.
+order. An exception in a rank is returned as ``{"error": ..., "type": ..., "schedule_error":
+..., "traceback": ...}`` so that the other ranks' results still arrive.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
         try:
             result: Any = fn(rank, *args)
         except Exception as exc:  # noqa: BLE001 - reported to the parent
+            from .errors import ScheduleError
+
             result = {"error": str(exc), "type": type(exc).__name__,
+                      "schedule_error": isinstance(exc, ScheduleError),
                       "traceback": traceback.format_exc()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
