@@ -71,3 +71,14 @@ def test_tensor_parallel_run_resumes_exactly(tmp_path: Path):
     after = _losses(_run("--tp", "2", "--save-dir", str(tmp_path / "b"), "--resume"))
     assert sorted(after) == [5, 6, 7, 8]
     assert {s: reference[s] for s in after} == after
+
+
+def test_torchrun_launches_tensor_and_data_parallel_training():
+    for flag in ("--tp", "--dp"):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+             "torchloom", "train", flag, "2", "--steps", "2", "--batch-size", "4",
+             "--seq-len", "32"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert sorted(_losses(done.stdout)) == [1, 2]
+        assert done.stdout.count("trained steps 1..2") == 1  # rank 0 reports

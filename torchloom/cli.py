@@ -332,6 +332,8 @@ def train(
                                else failed[0]["traceback"]))
         raise typer.Exit(code=EXIT_SCHEDULE_ERROR if failed[0]["schedule_error"] else 1)
     result = results[0]
+    if under_torchrun() and torch.distributed.get_rank() != 0:
+        return
     if result["losses"]:
         print(f"trained steps {result['first_step']}..{result['first_step'] + len(result['losses']) - 1}: loss {result['losses'][0]:.4f} -> "
               f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
