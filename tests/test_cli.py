@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,19 @@ def test_verify_in_one_process_and_its_errors(run):
     result = run("verify", "t5")
     assert result.exit_code == 2
     assert "there is no built-in schedule for T5ForConditionalGeneration" in result.output
+
+
+def test_tune_prunes_over_budget_and_prints_the_best_recipe(run, tmp_path):
+    result = run("tune", "gpt2", "--budget-gb", "0.0035", "--batch-sizes", "2,4,8",
+                 "--db", str(tmp_path / "t.db"), "--plot", str(tmp_path / "t.png"),
+                 "--threads", "1", "--steps", "1")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # rich wraps lines at the terminal width
+    assert re.search(r"\d+ evaluated, 0 resumed from .* [1-9]\d* pruned by the cost model", text)
+    assert "sch['transformer.h'].checkpoint(ratio=" in text
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    again = run("tune", "gpt2", "--budget-gb", "0.0035", "--batch-sizes", "2,4,8",
+                "--db", str(tmp_path / "t.db"), "--plot", "", "--threads", "1", "--steps", "1")
+    assert again.exit_code == 0, again.output
+    # every finished trial (and every pruned point) comes back from the database
+    assert re.search(r"\b0 evaluated, [1-9]\d* resumed", " ".join(again.output.split()))

@@ -49,6 +49,15 @@ from .verify import VerificationError, Verify
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # torchloom.tune imports optuna and matplotlib: load it on first use only.
+    if name == "tune":
+        import importlib
+
+        return importlib.import_module(".tune", __name__)
+    raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
+
 __all__ = [
     "AnnotateError",
     "CheckpointIOError",
@@ -90,3 +99,10 @@ __all__ = [
     "set_random_seed",
     "shard_spec",
 ]
+
+# Static-graph primitives (trace / find / fuse): their errors and pattern types.
+from .errors import FuseError, PatternError, TraceError, TraceGuardError  # noqa: E402
+from .pattern import Match, ModulePattern, Pattern  # noqa: E402
+
+__all__ += ["FuseError", "Match", "ModulePattern", "Pattern", "PatternError", "TraceError",
+            "TraceGuardError"]

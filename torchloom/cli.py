@@ -9,6 +9,8 @@ Commands:
   demo schedule applied;
 * ``torchloom train``: train a zoo model under its built-in schedule on one process or a
   (dp, tp) mesh (``torchrun`` or local ranks), saving checkpoints and resuming exactly;
+* ``torchloom tune MODEL --budget-gb N``: search batch size and checkpoint ratio under a
+  memory budget (pruning with the cost model), with a live table, the best recipe and a plot;
 * ``torchloom verify MODEL --tp N``: apply the model's built-in schedule inside
   :class:`~torchloom.Verify` on N local ranks and report what was compared;
 * ``torchloom list-primitives``: the primitives a schedule offers.
@@ -337,6 +339,38 @@ def train(
     if result["losses"]:
         print(f"trained steps {result['first_step']}..{result['first_step'] + len(result['losses']) - 1}: loss {result['losses'][0]:.4f} -> "
               f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+
+
+@app.command()
+@_clean_errors
+def tune(
+    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    budget_gb: float = typer.Option(..., min=0.0, help="Memory per rank in GiB (0.05 = 51 MiB)."),
+    strategy: str = typer.Option("binary", help="binary, exhaustive or optuna."),
+    db: str = typer.Option("torchloom-tune.db", help="SQLite results file (resumes)."),
+    plot: str = typer.Option("torchloom-tune.png", help="PNG of the explored space ('' for none)."),
+    size: str = typer.Option("tiny", help=f"Model size: {', '.join(zoo.SIZES)}."),
+    batch_sizes: str = typer.Option("1,2,4,8,16,32,64", help="Candidate batch sizes."),
+    seq_len: int = typer.Option(64, min=2, help="Tokens per sample."),
+    trials: int = typer.Option(10, min=1, help="Trials for the optuna strategy."),
+    steps: int = typer.Option(2, min=1, help="Timed training steps per candidate."),
+    seed: int = typer.Option(0, help="Seed of the weights and data."),
+    threads: int = typer.Option(0, min=0, help="torch threads; 0: all cores."),
+) -> None:
+    """Tune a zoo model's batch size and checkpoint ratio under a memory budget."""
+    from .tune.cli import tune_command
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise ScheduleError("batch sizes must be integers separated by commas",
+                            primitive="torchloom tune", values={"batch_sizes": batch_sizes},
+                            fix="--batch-sizes 4,8,16") from None
+    code = tune_command(model, budget_gb, strategy, db, plot or None, size=size,
+                        batch_sizes=sizes, seq_len=seq_len, trials=trials, steps=steps,
+                        seed=seed, threads=threads or None)
+    if code:
+        raise typer.Exit(code=code)
 
 
 def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,

@@ -1,0 +1,21 @@
+"""The tuner's error class.
+
+>>> err = TuneError("symbol 'batch_size' is defined twice", primitive="Space.create_symbol",
+...                 values={"name": "batch_size"}, fix="give the second symbol another name")
+>>> isinstance(err, ScheduleError)
+True
+>>> print(err)
+Space.create_symbol(...): symbol 'batch_size' is defined twice
+    values: name='batch_size'
+    fix: give the second symbol another name
+"""
+
+from __future__ import annotations
+
+from ..errors import ScheduleError
+
+__all__ = ["TuneError"]
+
+
+class TuneError(ScheduleError):
+    """A search space, strategy, database or tuning run was set up wrongly."""
