@@ -27,12 +27,23 @@ def test_every_primitive_round_trips():
     sch["transformer.h.0.attn.c_attn"].annotate("weight", "colwise", True)
     sch["transformer.h"].checkpoint(ratio=0.5)
     sch["transformer.h.1.attn"].fork_rng()
+    # the static-graph primitives: decompose, trace_until, trace, fuse (a recorded pattern)
+    sch["transformer.h.1.mlp.c_fc"].decompose()
+    sch["transformer.h.1"].trace_until("mlp")
+    sch["transformer.h.1.mlp"].trace(flatten=True)
+    sch["transformer.h.1.mlp"].fuse(sch["transformer.h.1.mlp"].find(bias_add)[0],
+                                    compiler="eager")
+    sch["transformer.h.1.ln_2"].cut_pipeline_stage()  # its parent h.1 is traced
     assert {e.primitive for e in sch.recipe} == set(tl.list_primitives())
     verify_recipe_roundtrip(sch, tiny.gpt2, (torch.randint(0, 128, (2, 8)),))
 
 
 def lambda_free_dropout(path: str, old: nn.Module) -> nn.Module:
     return nn.Dropout(old.p)
+
+
+def bias_add(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x + b
 
 
 def test_printed_recipe_is_the_script_a_user_would_write():

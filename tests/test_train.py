@@ -73,8 +73,8 @@ def test_tensor_parallel_run_resumes_exactly(tmp_path: Path):
     assert {s: reference[s] for s in after} == after
 
 
-def test_torchrun_launches_tensor_and_data_parallel_training():
-    for flag in ("--tp", "--dp"):
+def test_torchrun_launches_tensor_data_and_pipeline_parallel_training():
+    for flag in ("--tp", "--dp", "--pp"):
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
              "torchloom", "train", flag, "2", "--steps", "2", "--batch-size", "4",

@@ -153,3 +153,24 @@ def test_static_check_alone_in_one_process():
             "sharded norm")):
         with tl.Verify(sch, _inputs()):
             pass
+
+
+def test_a_pipeline_cut_that_drops_a_value_is_named():
+    """A stage that took a value from the example micro-batch as a constant (here the
+    sequence length GPT-2 uses to shape its output) is wrong for other inputs: Verify
+    replays every stage on the verification inputs and names the cut."""
+    model = tiny.gpt2(n_layer=4)
+    sch = tl.create_schedule(model)
+    micro = {"input_ids": torch.randint(0, 128, (2, 8))}
+    other = {"input_ids": torch.randint(0, 128, (2, 6))}  # another sequence length
+    sch.trace_until("transformer.h.*", example_inputs=micro)
+    with tl.Verify(sch, micro, pipeline_example=micro):  # the shape it was built for: fine
+        sch["transformer.h.1"].cut_pipeline_stage()
+    with pytest.raises(tl.VerificationError) as info:
+        with tl.Verify(sch, other, pipeline_example=micro):
+            pass
+    err = info.value
+    assert err.path == "transformer.h.1"
+    assert err.values["phase"] == "pipeline stage" and err.values["stage"] == 1
+    assert "were fixed to their value on the example micro-batch" in str(err)
+    assert err.values["constants"]  # the folded values are listed

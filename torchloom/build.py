@@ -145,8 +145,8 @@ from .meta import ShardSpec, copy_meta, shard_spec
 __all__ = ["build", "init_empty_weights", "SUPPORTED_TARGETS", "PLANNED_TARGETS"]
 
 PRIMITIVE = "build"
-SUPPORTED_TARGETS: tuple[str | None, ...] = (None, "ddp", "fsdp")
-PLANNED_TARGETS: tuple[str, ...] = ("pipeline", "deepspeed")
+SUPPORTED_TARGETS: tuple[str | None, ...] = (None, "ddp", "fsdp", "pipeline")
+PLANNED_TARGETS: tuple[str, ...] = ("deepspeed",)
 
 _HF_FLAG = "_is_hf_initialized"
 
@@ -637,15 +637,22 @@ def build(
     device: str | torch.device = "cpu",
     mesh: Any = None,
     fsdp_units: list[str] | None = None,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    schedule: str = "1F1B",
+    n_microbatches: int = 4,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_inputs: tuple | dict | None = None,
+) -> tuple[Any, torch.optim.Optimizer | None]:
     """Materialise and return the scheduled model, and optionally its optimizer.
 
     Args:
         sch: the root schedule (``torchloom.create_schedule(model)``).
         target: the form of the result: None (the scheduled module itself), ``"ddp"``
             (``DistributedDataParallel`` on the data-parallel ranks) or ``"fsdp"`` (FSDP2
-            ``fully_shard`` of each layer and the root); see :mod:`torchloom.parallel`.
-            ``"pipeline"`` and ``"deepspeed"`` are planned.
+            ``fully_shard`` of each layer and the root); see :mod:`torchloom.parallel`;
+            ``"pipeline"``: the stages cut by ``cut_pipeline_stage`` run by
+            ``torch.distributed.pipelining`` (a :class:`torchloom.pipeline.PipelineModel`
+            holding this rank's stages); see :mod:`torchloom.pipeline`.
+            ``"deepspeed"`` is planned.
         init_weights: also re-initialise tensors that are already real (by default they
             keep their values; only ``meta`` tensors are initialised).
         param_init_fn: initialise modules with this instead of their own init code; called
@@ -661,6 +668,12 @@ def build(
             the default group are data-parallel ranks.
         fsdp_units: for ``"fsdp"``, the module paths (wildcards allowed) sharded as units
             before the root; default: every item of every ``ModuleList``.
+        schedule, n_microbatches, loss_fn, example_inputs: for ``"pipeline"``: the
+            schedule (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``), the micro-batches
+            per step, ``loss_fn(output, target)`` on the last stage, and one example
+            micro-batch (what crosses between stages is sized on it). The pipeline runs
+            on the ``"pp"`` dimension of ``mesh`` (or all ranks); the schedule is
+            checked for deadlocks with PyTorch's simulator before anything runs.
 
     Returns:
         ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place; wrapped in
@@ -719,7 +732,17 @@ def build(
     # parameters, so the optimizer is made after it.
     from .parallel import wrap_data_parallel
 
-    model = wrap_data_parallel(model, target, mesh, fsdp_units)
+    if target == "pipeline":
+        from .pipeline import build_pipeline
+
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        pp_group = mesh["pp"].get_group() if "pp" in names else (
+            mesh.get_group() if mesh is not None else None)
+        model = build_pipeline(sch, schedule=schedule, n_microbatches=n_microbatches,
+                               loss_fn=loss_fn, example_inputs=example_inputs, group=pp_group,
+                               device=dev)
+    else:
+        model = wrap_data_parallel(model, target, mesh, fsdp_units)
     opt = None
     if optimizer is not None:
         try:

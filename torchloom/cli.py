@@ -299,6 +299,7 @@ def train(
     seed: int = typer.Option(0, help="Seed of the weights, the data and dropout."),
     tp: int = typer.Option(1, min=1, help="Tensor-parallel degree."),
     dp: int = typer.Option(1, min=1, help="Data-parallel degree (DDP)."),
+    pp: int = typer.Option(1, min=1, help="Pipeline stages (1F1B, 4 micro-batches)."),
     sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (with --tp > 1)."),
     ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
                                      help="Checkpoint this fraction of the layers."),
@@ -314,10 +315,10 @@ def train(
     from .train import TrainConfig
 
     config = TrainConfig(model=model, size=size, steps=steps, batch_size=batch_size,
-                         seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp,
+                         seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp, pp=pp,
                          sequence_parallel=sp, ckpt_ratio=ckpt_ratio, save_dir=save_dir,
                          save_every=save_every, resume=resume, stop_after=stop_after).to_dict()
-    world = tp * dp
+    world = tp * dp * pp
     if threads:
         torch.set_num_threads(threads)
     elif world == 1 or under_torchrun():

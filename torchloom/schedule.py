@@ -33,18 +33,25 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch.distributed as dist
 from torch import nn
 
+from . import pattern as _pattern
 from .errors import PathError, ScheduleError
 from .primitives import annotate as _annotate
 from .primitives import checkpoint as _checkpoint
+from .primitives import decompose as _decompose
+from .primitives import fuse as _fuse
 from .primitives import fork_rng as _fork_rng
 from .primitives import replace as _replace
 from .primitives import replace_all as _replace_all
 from .primitives import shard as _shard
 from .primitives import sync as _sync
-from .recipe import Recipe, recorded
+from .primitives import trace as _trace
+from .primitives import trace_until as _trace_until
+from .recipe import Recipe, RecipeEntry, recorded
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from .pattern import Match
 
 __all__ = ["Schedule", "ScheduleGroup", "create_schedule"]
 
@@ -57,6 +64,11 @@ def _has_wildcard(token: str) -> bool:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments that were given (not None), as a recipe records them."""
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 class Schedule:
@@ -118,6 +130,23 @@ class Schedule:
             for name, sub in self.mod._modules.items()
             if sub is not None
         }
+
+    def sync_children(self) -> None:
+        """Bring the child nodes in line with ``self.mod._modules`` keeping the existing
+        nodes (by name) and updating their ``mod``; used after a primitive rebuilt the
+        module in place of the old one (``trace``) or added sub-modules (``fuse``)."""
+        synced: dict[str, Schedule] = {}
+        for name, sub in self.mod._modules.items():
+            if sub is None:
+                continue
+            node = self.child.get(name)
+            if node is None:
+                node = Schedule(sub, name, _join(self.path, name), self, self.group)
+            else:
+                node.mod = sub
+                node.sync_children()
+            synced[name] = node
+        self.child = synced
 
     @property
     def root(self) -> Schedule:
@@ -219,17 +248,45 @@ class Schedule:
 
     # ------------------------------------------------------------------ primitives
 
-    @recorded
+    def _record(self, primitive: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                run: Callable[[], None]) -> None:
+        """Run a primitive and record it as ``primitive(*args, **kwargs)`` (as the
+        ``recorded`` decorator does, for primitives whose arguments are recorded in another
+        form than they were given: matches are recorded as pattern references)."""
+        root = self.root
+        root._recording_depth += 1
+        try:
+            run()
+        finally:
+            root._recording_depth -= 1
+        if root._recording_depth == 0:
+            root._recipe.append(RecipeEntry(primitive, self.path, tuple(args), dict(kwargs)))
+
+    def _match_reference(self, target: Any, primitive: str) -> Any:
+        """Matches as the recipe records them: ``{"pattern": ..., "index": ...}``."""
+        from .pattern import Match
+        from .primitives._subgraph import reference
+
+        if isinstance(target, Match):
+            target = [target]
+        if isinstance(target, (list, tuple)) and target and \
+                all(isinstance(m, Match) for m in target):
+            return reference(self, list(target), primitive)
+        return target
+
     def replace(
         self,
-        new_mod_or_fn: nn.Module | Callable[[nn.Module], nn.Module],
+        new_mod_or_fn: nn.Module | Callable[..., Any],
         target_ops: Any = None,
         name: str | None = None,
         concrete_args: dict[str, Any] | None = None,
     ) -> None:
-        """Swap the module at this node; see :mod:`torchloom.primitives.replace`."""
-        _replace.apply(self, new_mod_or_fn, target_ops=target_ops, name=name,
-                       concrete_args=concrete_args)
+        """Swap the module at this node, or the matched nodes of its traced graph; see
+        :mod:`torchloom.primitives.replace`."""
+        kwargs = _given(target_ops=self._match_reference(target_ops, "replace"), name=name,
+                        concrete_args=concrete_args)
+        self._record("replace", (new_mod_or_fn,), kwargs, lambda: _replace.apply(
+            self, new_mod_or_fn, target_ops=target_ops, name=name, concrete_args=concrete_args))
 
     @recorded
     def replace_all(
@@ -250,11 +307,12 @@ class Schedule:
         :mod:`torchloom.primitives.sync`."""
         _sync.apply(self, mode, sync_op_or_fn, **kwargs)
 
-    @recorded
-    def checkpoint(self, ratio: float | None = None) -> None:
-        """Recompute this module's activations in backward; see
+    def checkpoint(self, ratio: float | None = None, subgraph: Any = None) -> None:
+        """Recompute this module's activations (or a found subgraph's) in backward; see
         :mod:`torchloom.primitives.checkpoint`."""
-        _checkpoint.apply(self, ratio=ratio)
+        kwargs = _given(ratio=ratio, subgraph=self._match_reference(subgraph, "checkpoint"))
+        self._record("checkpoint", (), kwargs,
+                     lambda: _checkpoint.apply(self, ratio=ratio, subgraph=subgraph))
 
     @recorded
     def annotate(self, param_name: str, key: str, value: Any) -> None:
@@ -266,6 +324,78 @@ class Schedule:
         """Draw random numbers from the tensor-parallel generator; see
         :mod:`torchloom.primitives.fork_rng`."""
         _fork_rng.apply(self)
+
+    # ------------------------------------------------------------------ static graphs
+
+    @recorded
+    def trace(
+        self,
+        leaf_modules: list[str] | None = None,
+        flatten: bool = False,
+        tracer: str = "auto",
+        concrete_args: dict[str, Any] | None = None,
+        example_inputs: Any = None,
+    ) -> None:
+        """Turn this module (only) into a graph; see :mod:`torchloom.primitives.trace`."""
+        _trace.apply(self, leaf_modules=leaf_modules, flatten=flatten, tracer=tracer,
+                     concrete_args=concrete_args, example_inputs=example_inputs)
+
+    @recorded
+    def trace_until(
+        self,
+        paths: str | list[str],
+        leaf_modules: list[str] | None = None,
+        tracer: str = "auto",
+        concrete_args: dict[str, Any] | None = None,
+        example_inputs: Any = None,
+    ) -> None:
+        """Trace from this node down to the given levels; see
+        :mod:`torchloom.primitives.trace_until`."""
+        _trace_until.apply(self, paths, leaf_modules=leaf_modules, tracer=tracer,
+                           concrete_args=concrete_args, example_inputs=example_inputs)
+
+    def fuse(
+        self,
+        subgraph: Any,
+        compiler: str | Callable[..., Any] | None = "inductor",
+        name: str = "FusedModule",
+    ) -> None:
+        """Compile a found subgraph into one module; see :mod:`torchloom.primitives.fuse`."""
+        kwargs = _given(compiler=None if compiler == "inductor" else compiler,
+                        name=None if name == "FusedModule" else name)
+        if compiler is None:
+            kwargs["compiler"] = None
+        self._record("fuse", (self._match_reference(subgraph, "fuse"),), kwargs,
+                     lambda: _fuse.apply(self, subgraph, compiler=compiler, name=name))
+
+    @recorded
+    def decompose(self) -> None:
+        """Split a linear layer into matmul and bias add; see
+        :mod:`torchloom.primitives.decompose`."""
+        _decompose.apply(self)
+
+    @recorded
+    def cut_pipeline_stage(self) -> None:
+        """End a pipeline stage after this module; see
+        :mod:`torchloom.primitives.cut_pipeline_stage`."""
+        from .primitives import cut_pipeline_stage as _cut
+
+        _cut.apply(self)
+
+    def find(self, pattern: str | Callable[..., Any] | nn.Module | type[nn.Module]
+             ) -> list[Match]:
+        """Matches of a regex, node predicate, pattern function or pattern module in the
+        traced graphs at and below this node; see :mod:`torchloom.pattern`."""
+        return _pattern.find(self, pattern)
+
+    def find_node(self, regex_or_fn: str | Callable[[Any], bool]) -> list[Match]:
+        """``find`` with a regex or a node predicate (any callable taking a node)."""
+        return _pattern.find(self, regex_or_fn, predicate=callable(regex_or_fn))
+
+    def find_subgraph(self, pattern: Callable[..., Any] | nn.Module | type[nn.Module]
+                      ) -> list[Match]:
+        """``find`` with a pattern function or pattern module."""
+        return _pattern.find(self, pattern)
 
 
 class ScheduleGroup:
@@ -352,6 +482,10 @@ class ScheduleGroup:
         else:
             self._apply("checkpoint", ratio=ratio)
 
+    def decompose(self) -> None:
+        """``decompose`` on every node."""
+        self._apply("decompose")
+
     def annotate(self, param_name: str, key: str, value: Any) -> None:
         """``annotate`` on every node."""
         self._apply("annotate", param_name, key, value)
@@ -359,6 +493,14 @@ class ScheduleGroup:
     def fork_rng(self) -> None:
         """``fork_rng`` on every node."""
         self._apply("fork_rng")
+
+    def trace(self, **kwargs: Any) -> None:
+        """``trace`` on every node (same options)."""
+        self._apply("trace", **kwargs)
+
+    def find(self, pattern: Any) -> list[Match]:
+        """``find`` on every node; the matches of all nodes in tree order."""
+        return [m for node in self.nodes for m in node.find(pattern)]
 
 
 def create_schedule(model: nn.Module, group: ProcessGroup | None = None) -> Schedule:

@@ -55,6 +55,9 @@ class TrainConfig:
     seed: int = 0
     tp: int = 1
     dp: int = 1
+    pp: int = 1
+    """Pipeline stages (the layers split evenly), run with the 1F1B schedule."""
+    n_microbatches: int = 4
     sequence_parallel: bool = False
     ckpt_ratio: float = 0.0
     save_dir: str | None = None
@@ -93,12 +96,29 @@ def batch_at(step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tenso
 
 
 def _check(cfg: TrainConfig, world: int) -> None:
-    if cfg.tp * cfg.dp != world:
+    ranks = cfg.tp * cfg.dp * cfg.pp
+    if ranks != world:
         raise ScheduleError(
-            f"--tp {cfg.tp} x --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but the run has {world}",
-            primitive="torchloom train", values={"tp": cfg.tp, "dp": cfg.dp, "world_size": world},
-            fix=f"torchrun --nproc-per-node {cfg.tp * cfg.dp} -m torchloom train --tp {cfg.tp} "
-            f"--dp {cfg.dp}",
+            f"--tp {cfg.tp} x --dp {cfg.dp} x --pp {cfg.pp} = {ranks} ranks, but the run has "
+            f"{world}",
+            primitive="torchloom train",
+            values={"tp": cfg.tp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},
+            fix=f"torchrun --nproc-per-node {ranks} -m torchloom train --tp {cfg.tp} "
+            f"--dp {cfg.dp} --pp {cfg.pp}",
+        )
+    if cfg.pp > 1 and (cfg.save_dir or cfg.dp > 1):
+        raise ScheduleError(
+            "pipeline runs do not yet combine with checkpoints or data parallelism here",
+            primitive="torchloom train",
+            values={"pp": cfg.pp, "dp": cfg.dp, "save_dir": cfg.save_dir},
+            fix="train the pipeline without --save-dir and --dp, or use --tp / --dp",
+        )
+    if cfg.pp > 1 and (cfg.batch_size % cfg.n_microbatches):
+        raise ScheduleError(
+            f"the batch of {cfg.batch_size} does not split into {cfg.n_microbatches} "
+            "micro-batches", primitive="torchloom train",
+            values={"batch_size": cfg.batch_size, "n_microbatches": cfg.n_microbatches},
+            fix=f"use a batch size divisible by {cfg.n_microbatches}",
         )
     if cfg.batch_size % cfg.dp:
         raise ScheduleError(
@@ -133,7 +153,7 @@ def train_rank(rank: int, config: dict[str, Any],
     if world > 1:
         from .parallel import init_mesh
 
-        mesh = init_mesh(dp=cfg.dp, tp=cfg.tp)
+        mesh = init_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
         tp_group = mesh["tp"].get_group()
         tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
 
@@ -143,6 +163,8 @@ def train_rank(rank: int, config: dict[str, Any],
     models.apply_schedule(sch, tp=cfg.tp > 1, sequence_parallel=cfg.sequence_parallel,
                           ckpt_ratio=cfg.ckpt_ratio)
     module = sch.mod
+    if cfg.pp > 1:
+        return _train_pipeline(cfg, sch, mesh, on_step)
     model, optimizer = build(sch, target="ddp" if cfg.dp > 1 else None, mesh=mesh,
                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr))
     assert optimizer is not None
@@ -184,6 +206,62 @@ def train_rank(rank: int, config: dict[str, Any],
     tokens = len(losses) * cfg.batch_size * cfg.seq_len
     return {"losses": losses, "first_step": first_step,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss transformers computes from ``labels``, on the last stage."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1))
+
+
+def _train_pipeline(cfg: TrainConfig, sch: Any, mesh: Any,
+                    on_step: Callable[[int, float, float], None] | None) -> dict[str, Any]:
+    """Cut the layers into ``pp`` even stages and train them with the 1F1B schedule."""
+    layers = zoo.layer_paths(cfg.model)
+    if len(layers) != 1:
+        raise ScheduleError(
+            f"{cfg.model} has several layer lists; the command line pipelines one",
+            primitive="torchloom train", values={"model": cfg.model, "layers": layers},
+            fix="pipeline gpt2, bert or llama, or cut the stages by hand in Python",
+        )
+    count = len(sch[layers[0]].child)
+    if count % cfg.pp:
+        raise ScheduleError(
+            f"{count} layers do not split evenly into {cfg.pp} stages",
+            primitive="torchloom train", values={"layers": count, "pp": cfg.pp},
+            fix=f"use --pp dividing {count}",
+        )
+    micro = batch_at(0, cfg.batch_size // cfg.n_microbatches, cfg.seq_len, cfg.seed)
+    sch.trace_until(f"{layers[0]}.*", example_inputs={"input_ids": micro})
+    per_stage = count // cfg.pp
+    for stage in range(cfg.pp - 1):
+        sch[f"{layers[0]}.{(stage + 1) * per_stage - 1}"].cut_pipeline_stage()
+    pipe, optimizer = build(sch, target="pipeline", mesh=mesh, schedule="1F1B",
+                            n_microbatches=cfg.n_microbatches, loss_fn=next_token_loss,
+                            example_inputs=(micro,),
+                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr))
+    assert optimizer is not None
+    pp_group = mesh["pp"].get_group()
+    last = dist.get_global_rank(pp_group, cfg.pp - 1)
+    losses: list[float] = []
+    started = time.perf_counter()
+    for step in range(1, (cfg.stop_after or cfg.steps) + 1):
+        torch.manual_seed(cfg.seed * 1_000_003 + step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, cfg.steps, cfg.lr)
+        ids = batch_at(step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        loss = pipe.step(ids, target=ids)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = torch.zeros(()) if loss is None else loss.detach().clone()
+        dist.broadcast(value, src=last, group=pp_group)
+        losses.append(float(value))
+        speed = step * cfg.batch_size * cfg.seq_len / (time.perf_counter() - started)
+        if on_step is not None:
+            on_step(step, losses[-1], speed)
+    elapsed = time.perf_counter() - started
+    return {"losses": losses, "first_step": 1,
+            "tokens_per_s": len(losses) * cfg.batch_size * cfg.seq_len / elapsed}
 
 
 def _positions(model: str, seq_len: int) -> dict[str, int]:

@@ -194,6 +194,10 @@ class Verify:
         param_map: scheduled parameter name -> reference name, for parameters a
             replacement renamed.
         static_check: run :func:`torchloom.check.check` first.
+        pipeline_example: the micro-batch the pipeline will be built with
+            (``build(..., example_inputs=...)``); with ``cut_pipeline_stage`` marks, each
+            stage is also run on the verification inputs to catch values a stage fixed to
+            their example value (default: the verification inputs themselves).
     """
 
     def __init__(
@@ -209,6 +213,7 @@ class Verify:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         param_map: dict[str, str] | None = None,
         static_check: bool = True,
+        pipeline_example: tuple | dict | None = None,
     ) -> None:
         self.sch = sch.root
         self.example_inputs = example_inputs
@@ -220,6 +225,7 @@ class Verify:
         self.loss_fn = loss_fn or _default_loss
         self.param_map = dict(param_map or {})
         self.static_check = static_check
+        self.pipeline_example = pipeline_example
         self.reference: nn.Module | None = None
         self._recipe_start = 0
         #: what the last verification compared: tensors per phase (incomparable ones,
@@ -362,6 +368,7 @@ class Verify:
                 raise self._fail(path, f"the scheduled model raised {type(exc).__name__}: {exc}",
                                  {"phase": "forward"}) from exc
             self._compare_records(rec.outputs, ref_rec.outputs, "forward output", forward=True)
+            self._check_pipeline_split(args, kwargs)
             if self.check_backward:
                 self._compare_records(rec.input_grads, ref_rec.input_grads, "input gradient",
                                       forward=False)
@@ -370,6 +377,34 @@ class Verify:
             rec.remove()
             ref_rec.remove()
             self._restore(saved)
+
+    def _check_pipeline_split(self, args: tuple, kwargs: dict) -> None:
+        """With ``cut_pipeline_stage`` marks: run each stage on the values the whole model
+        computes for the verification inputs, so that a value a stage took as a constant
+        from the example micro-batch, and that differs here, is caught at its cut."""
+        from .pipeline import cut_paths, replay_stages, split_stages
+
+        if not cut_paths(self.sch):
+            return
+        example = self.pipeline_example if self.pipeline_example is not None else (
+            kwargs if kwargs else args)
+        stages = split_stages(self.sch, example)
+        inputs = kwargs if kwargs else args
+        pairs = replay_stages(stages, inputs)
+        for k, (got, expected) in enumerate(pairs, start=1):
+            failed = isinstance(got, Exception)
+            excess = [] if failed else self._errors(
+                [(g, e) for g, e in zip(_tensors(got), _tensors(expected))])
+            if failed or any(e == e and e > 0 for e in excess):
+                cut = stages.cuts[k - 1]
+                raise self._fail(
+                    cut,
+                    f"pipeline stage {k} (after this cut) computes something else than the "
+                    "model: it uses values from earlier stages that are not tensors and "
+                    "were fixed to their value on the example micro-batch",
+                    {"phase": "pipeline stage", "stage": k, "constants": stages.folded[k],
+                     **({"raised": f"{type(got).__name__}: {got}"[:200]} if failed else {})},
+                )
 
     # ------------------------------------------------------------------ comparisons
 

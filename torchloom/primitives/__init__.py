@@ -3,20 +3,36 @@
 Each module defines ``NAME`` and ``apply(sch, ...)``; :class:`torchloom.Schedule` exposes
 each as a typed, documented method. :func:`list_primitives` lists them.
 
->>> list_primitives()
-['annotate', 'checkpoint', 'fork_rng', 'replace', 'replace_all', 'shard', 'sync']
+>>> list_primitives()  # doctest: +NORMALIZE_WHITESPACE
+['annotate', 'checkpoint', 'cut_pipeline_stage', 'decompose', 'fork_rng', 'fuse',
+ 'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import annotate, checkpoint, fork_rng, replace, replace_all, shard, sync
+from . import (
+    annotate,
+    checkpoint,
+    cut_pipeline_stage,
+    decompose,
+    fork_rng,
+    fuse,
+    replace,
+    replace_all,
+    shard,
+    sync,
+    trace,
+    trace_until,
+)
 
 __all__ = ["PRIMITIVES", "list_primitives"]
 
 PRIMITIVES: dict[str, Callable[..., Any]] = {
-    m.NAME: m.apply for m in (annotate, checkpoint, fork_rng, replace, replace_all, shard, sync)
+    m.NAME: m.apply
+    for m in (annotate, checkpoint, cut_pipeline_stage, decompose, fork_rng, fuse, replace,
+              replace_all, shard, sync, trace, trace_until)
 }
 
 

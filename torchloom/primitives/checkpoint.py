@@ -31,7 +31,15 @@ cache passed to a checkpointed layer in training would be extended twice, so it 
 :class:`~torchloom.errors.CheckpointError`: train with ``use_cache=False`` (Hugging Face's
 own gradient checkpointing turns the cache off too).
 
+With ``subgraph`` (a ``Match`` from ``find`` on a traced module, or a list of them): each
+match is cut out of its graph into a ``CheckpointWrapper_<k>`` child that runs it under
+checkpoint. Its inputs are the values the match reads; its outputs are every matched value
+used outside it (intermediate values included: they are recomputed in backward like the
+rest). Modules called inside the match stay registered where they were.
+
 Preconditions:
+    * ``ratio`` and ``subgraph`` are not given together; ``subgraph`` holds live matches
+      at or below this node;
     * without ``ratio``: the module has a forward of its own (a ``ModuleList`` has none:
       use ``ratio`` or a wildcard path) and was not checkpointed already;
     * with ``ratio``: the module is an ``nn.ModuleList`` or ``nn.Sequential``, ``ratio``
@@ -58,6 +66,12 @@ True
 >>> sch.checkpoint(ratio=0.5)
 >>> [getattr(b, "_torchloom_checkpointed", False) for b in blocks]
 [True, True, False, False]
+>>> mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+>>> sch = tl.create_schedule(mlp)
+>>> sch.trace(tracer="fx")
+>>> sch.checkpoint(subgraph=sch.find(lambda x: torch.nn.functional.gelu(x))[0])
+>>> [n.target for n in mlp.graph.nodes if n.op == "call_module"]
+['0', 'CheckpointWrapper_0', '2']
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..errors import CheckpointError
 from ..rng import get_rng_tracker
+from ._subgraph import GraphHolder, extract, resolve, splice
 from ._common import ForwardWrapper
 
 if TYPE_CHECKING:
@@ -81,7 +96,7 @@ if TYPE_CHECKING:
 NAME = "checkpoint"
 MARK = "_torchloom_checkpointed"
 
-__all__ = ["NAME", "MARK", "apply", "tracker_context_fn"]
+__all__ = ["NAME", "MARK", "apply", "tracker_context_fn", "CheckpointWrapper"]
 
 
 # --------------------------------------------------------------------------- rng tracker
@@ -281,10 +296,40 @@ def _apply_ratio(sch: Schedule, ratio: Any) -> None:
         _install(node)
 
 
-def apply(sch: Schedule, ratio: float | None = None) -> None:
+class CheckpointWrapper(GraphHolder):
+    """Runs an extracted subgraph under activation checkpointing."""
+
+    keeps_called_modules = True
+
+    def forward(self, *args: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.run_graph(*args)
+        return _torch_checkpoint(self.run_graph, *args, use_reentrant=False,
+                                 preserve_rng_state=True, context_fn=tracker_context_fn)
+
+
+def _apply_subgraph(sch: Schedule, subgraph: Any) -> None:
+    matches = resolve(sch, subgraph, NAME, CheckpointError)
+    for match in matches:  # non-overlapping: each stays valid while the others are cut
+        graph_module, _, outputs = extract(match)
+        wrapper = CheckpointWrapper(graph_module, len(outputs))
+        splice(sch, [match], wrapper, "CheckpointWrapper", NAME, CheckpointError, [outputs])
+
+
+def apply(sch: Schedule, ratio: float | None = None, subgraph: Any = None) -> None:
     """Checkpoint ``sch.mod``, or with ``ratio`` the first ``floor(ratio * n)`` items of
-    the ``ModuleList`` / ``Sequential`` at ``sch``."""
-    if ratio is None:
+    the ``ModuleList`` / ``Sequential`` at ``sch``, or with ``subgraph`` the matched
+    subgraph(s) of its traced graph."""
+    if subgraph is not None:
+        if ratio is not None:
+            raise CheckpointError(
+                "ratio and subgraph cannot be combined",
+                path=sch.path, primitive=NAME, values={"ratio": ratio},
+                fix=f"sch[{sch.path!r}].checkpoint(subgraph=matches) or "
+                f"sch[{sch.path!r}].checkpoint(ratio={ratio!r})",
+            )
+        _apply_subgraph(sch, subgraph)
+    elif ratio is None:
         _apply_whole(sch)
     else:
         _apply_ratio(sch, ratio)

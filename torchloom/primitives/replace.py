@@ -19,10 +19,26 @@ What carries over from the old module to the new one:
 The parent's attribute (or ``ModuleList``/``Sequential`` slot) is updated and the node's
 children are rebuilt from the new module. The node keeps its path.
 
+Subgraph form, ``replace(new, target_ops=matches)`` (``matches`` from ``find`` on a
+traced module; ``new`` is an ``nn.Module``, registered in the graph's module as
+``<name or class name>_<k>``, or a function, called in the graph):
+
+* **vertical** (one match): ``new`` is called with the match's inputs (the graph values it
+  reads, in first-use order) plus ``concrete_args`` as keywords, and its result takes the
+  place of the match's result. A match whose other values are also used outside it is
+  refused (use ``fuse`` or ``checkpoint(subgraph=...)``, which return them all);
+* **horizontal** (several matches in one graph, e.g. the q/k/v projections of the same
+  input): ``new`` is called once with the inputs of all matches (deduplicated, in order)
+  and must return one value per match, in the order of the matches.
+
+The modules whose calls are replaced stay registered (``state_dict()`` keys do not
+change); if they have hooks the replace is refused (the hooks would stop firing).
+
 Preconditions:
     * the new module is an ``nn.Module`` (or the factory returns one);
-    * ``target_ops`` (a subgraph from ``find``) needs a traced module: that form belongs
-      to the graph primitives.
+    * with ``target_ops``: live matches from ``find`` at or below this node; the new
+      callable accepts the inputs (else the error says how many it got and suggests
+      ``concrete_args``); ``concrete_args`` only with ``target_ops``.
 
 Before / after:
 
@@ -39,6 +55,18 @@ Sequential(
 )
 >>> model[1](torch.tensor([-1.0, 3.0]))   # the old hook still doubles the output
 tensor([0., 6.])
+
+Subgraph form (a traced module; here the ``ReLU`` call becomes a ``torch.tanh`` call):
+
+>>> mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+>>> sch = tl.create_schedule(mlp)
+>>> sch.trace(tracer="fx")
+>>> sch.replace(torch.tanh, target_ops=sch.find(r"^1$"))
+>>> [getattr(n.target, "__name__", n.target) for n in mlp.graph.nodes if n.op != "output"]
+['input', '0', 'tanh']
+>>> x = torch.randn(2, 4)
+>>> torch.equal(mlp(x), torch.tanh(mlp[0](x)))
+True
 """
 
 from __future__ import annotations
@@ -130,6 +158,58 @@ def swap_module(sch: Schedule, new: nn.Module) -> None:
         checkpoint.apply(sch)
 
 
+def _apply_subgraph(sch: Schedule, new: Any, target_ops: Any, name: str | None,
+                    concrete_args: dict[str, Any] | None) -> None:
+    from . import _subgraph
+
+    if not (isinstance(target_ops, (dict, list, tuple)) or
+            type(target_ops).__name__ == "Match") or \
+            (isinstance(target_ops, (list, tuple)) and
+             not all(type(m).__name__ == "Match" for m in target_ops)):
+        raise ReplaceError(
+            "replacing a subgraph (target_ops) needs a traced module and the Match objects that "
+            "find() "
+            f"returns, not {_subgraph._type_name(target_ops)}",
+            path=sch.path, primitive=NAME, values={"target_ops": repr(target_ops)[:80]},
+            fix=f"sch[{sch.path!r}].trace(); m = sch[{sch.path!r}].find(pattern); "
+            f"sch[{sch.path!r}].replace(new, target_ops=m)",
+        )
+    if not callable(new):
+        raise ReplaceError(
+            f"replace needs an nn.Module or a function, not a {type(new).__name__}",
+            path=sch.path, primitive=NAME, values={"new_mod_or_fn": repr(new)[:60]},
+            fix=f"sch[{sch.path!r}].replace(MyModule(...), target_ops=matches)",
+        )
+    if name is not None and not isinstance(new, nn.Module):
+        raise ReplaceError(
+            "name applies to a new module; a function is called in the graph as it is",
+            path=sch.path, primitive=NAME, values={"name": name},
+            fix="drop the argument, or pass a module",
+        )
+    matches = _subgraph.resolve(sch, target_ops, NAME, ReplaceError)
+    _subgraph.check_one_graph(sch, matches, NAME, ReplaceError)
+    kwargs = dict(concrete_args or {})
+    outputs = []
+    for m in matches:
+        used = m.outputs() or [m.anchor]
+        if len(used) > 1:
+            raise ReplaceError(
+                "values computed inside the subgraph are also used outside it: "
+                f"{[n.name for n in used]}; one replacement value cannot stand for them all",
+                path=sch.path, primitive=NAME,
+                values={"outputs": [n.name for n in used], "match": [n.name for n in m.nodes]},
+                fix="extend the pattern to those uses, or use fuse / checkpoint(subgraph=...), "
+                "which return every such value",
+            )
+        outputs.append(used)
+    inputs: list[Any] = []
+    for m in matches:
+        inputs += [n for n in m.inputs if n not in inputs]
+    _subgraph.check_arity(sch, new, len(inputs), kwargs, NAME, ReplaceError,
+                          [n.name for n in inputs])
+    _subgraph.splice(sch, matches, new, name, NAME, ReplaceError, outputs, kwargs)
+
+
 def apply(
     sch: Schedule,
     new_mod_or_fn: nn.Module | Callable[[nn.Module], nn.Module],
@@ -137,15 +217,16 @@ def apply(
     name: str | None = None,
     concrete_args: dict[str, Any] | None = None,
 ) -> None:
-    """Replace ``sch.mod`` by ``new_mod_or_fn`` (a module, or a factory of the old one)."""
-    if target_ops is not None or concrete_args is not None:
+    """Replace ``sch.mod`` by ``new_mod_or_fn`` (a module, or a factory of the old one), or
+    with ``target_ops`` the matched nodes of a traced graph."""
+    if target_ops is not None:
+        _apply_subgraph(sch, new_mod_or_fn, target_ops, name, concrete_args)
+        return
+    if concrete_args is not None:
         raise ReplaceError(
-            "replacing a subgraph (target_ops / concrete_args) needs a traced module and "
-            "the graph primitives, which this build of torchloom does not have yet",
-            path=sch.path,
-            primitive=NAME,
-            values={"target_ops": type(target_ops).__name__},
-            fix=f"replace the whole module instead: sch[{sch.path!r}].replace(new_module)",
+            "concrete_args only applies to subgraph replacement (with target_ops)",
+            path=sch.path, primitive=NAME, values={"concrete_args": sorted(concrete_args)},
+            fix=f"drop the argument: sch[{sch.path!r}].replace(new_module)",
         )
     if name is not None and name != sch.name:
         raise ReplaceError(

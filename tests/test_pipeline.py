@@ -1,0 +1,124 @@
+"""Pipeline stages in one process: the split computes what the model computes, the cut's
+preconditions and the schedule check."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+
+import torchloom as tl
+from tests import tiny
+from torchloom.pipeline import check_schedule, cut_paths, split_stages
+
+
+def llama(n_layer: int = 4) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def _ids(rows: int = 2) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(("make", "layers"), [(lambda: tiny.gpt2(n_layer=4), "transformer.h"),
+                                              (llama, "model.layers")])
+def test_stages_chained_compute_the_model(make, layers):
+    model = make()
+    reference = copy.deepcopy(model)
+    sch = tl.create_schedule(model)
+    sch.trace_until(f"{layers}.*", example_inputs={"input_ids": _ids()})
+    sch[f"{layers}.0"].cut_pipeline_stage()
+    sch[f"{layers}.2"].cut_pipeline_stage()
+    assert cut_paths(sch) == [f"{layers}.0", f"{layers}.2"]
+    stages = split_stages(sch, (_ids(),))
+    assert len(stages.modules) == 3
+    value = stages.modules[0](_ids())
+    for module in stages.modules[1:]:
+        value = module(*value) if isinstance(value, tuple) else module(value)
+    assert torch.equal(value, reference(_ids()).logits)
+    # every parameter lives in exactly one stage, except the tied embedding / head
+    names = [n for m in stages.modules for n, _ in m.named_parameters()]
+    assert sorted(set(names)) == sorted(n for n, _ in reference.named_parameters(
+        remove_duplicate=False))
+    if layers == "transformer.h":
+        assert stages.ties == [[(0, "transformer.wte.weight"), (2, "lm_head.weight")]]
+    # the recipe records the cuts and replays them
+    assert [e.primitive for e in sch.recipe] == ["trace_until", "cut_pipeline_stage",
+                                                 "cut_pipeline_stage"]
+
+
+def test_cut_needs_a_traced_parent():
+    sch = tl.create_schedule(tiny.gpt2())
+    with pytest.raises(tl.ScheduleError) as info:
+        sch["transformer.h.1"].cut_pipeline_stage()
+    assert str(info.value) == (
+        "sch['transformer.h.1'].cut_pipeline_stage(...): the module that calls this one "
+        "(transformer) is not traced, so there is no graph to cut\n"
+        "    values: parent='transformer', parent_module='GPT2Model'\n"
+        "    fix: trace down to this level first: sch.trace_until('transformer.h.*')"
+    )
+
+
+def test_cut_errors():
+    sch = tl.create_schedule(tiny.gpt2())
+    with pytest.raises(tl.ScheduleError, match="the root cannot end a pipeline stage"):
+        sch.cut_pipeline_stage()
+    sch.trace_until("transformer.h.*", example_inputs={"input_ids": _ids()})
+    sch["transformer.h.1"].cut_pipeline_stage()
+    with pytest.raises(tl.ScheduleError, match=re.escape("a stage already ends after this module")):
+        sch["transformer.h.1"].cut_pipeline_stage()
+    with pytest.raises(tl.ScheduleError, match=r"the module that calls this one "
+                                                 r"\(transformer\.h\.1\.attn\) is not traced"):
+        sch["transformer.h.1.attn.c_attn"].cut_pipeline_stage()  # below the traced levels
+
+
+class _WithSpare(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_cut_after_a_module_the_graph_never_calls():
+    sch = tl.create_schedule(_WithSpare())
+    sch.trace(example_inputs=(torch.randn(1, 2),))
+    with pytest.raises(tl.ScheduleError, match=r"the traced graph of the root does not call "
+                                                 r"this module"):
+        sch["spare"].cut_pipeline_stage()
+
+
+def test_build_pipeline_needs_a_group_and_a_cut():
+    sch = tl.create_schedule(tiny.gpt2())
+    with pytest.raises(tl.BuildError, match="a pipeline runs its stages on several ranks"):
+        tl.build(sch, target="pipeline", example_inputs=(_ids(),), loss_fn=lambda o, t: o.sum())
+    with pytest.raises(tl.BuildError, match=r"(?s)no pipeline stage is cut.*fix: mark where stages "
+                                            r"end: sch\.trace_until"):
+        split_stages(sch, (_ids(),))
+
+
+class _FakeSchedule:
+    """A schedule object carrying a hand-written action order."""
+
+    def __init__(self, order):
+        self.pipeline_order = order
+
+
+def test_schedule_check_finds_a_deadlock():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+    good = {0: [_Action(0, F, 0), _Action(0, B, 0)], 1: [_Action(1, F, 0), _Action(1, B, 0)]}
+    assert check_schedule(_FakeSchedule(good), 2, 2, 1) > 0
+    # rank 1 runs the backward of a micro-batch it never ran forward
+    bad = {0: [_Action(0, F, 0), _Action(0, B, 0)], 1: [_Action(1, B, 0), _Action(1, F, 0)]}
+    with pytest.raises(tl.BuildError, match="the pipeline schedule does not validate"):
+        check_schedule(_FakeSchedule(bad), 2, 2, 1)

@@ -1,0 +1,88 @@
+"""``trace_until(paths)``: trace from this node down to the given levels.
+
+Every module on the way from this node (usually the root) to each path in ``paths`` is
+traced into its own nested graph, and so is the module at each path; the children of those
+levels, and every module off the way, stay opaque ``call_module`` nodes. This is how the
+levels where pipeline stages are cut are prepared: the graph of each level's parent shows
+the level as one node. ``paths`` are relative to this node and may use wildcards
+(``"transformer.h.*"``). Options are those of ``trace`` (``flatten`` is not one: the
+result is hierarchical by definition).
+
+Preconditions:
+    * ``paths`` is a non-empty path or list of paths, each resolving below this node (else
+      :class:`~torchloom.errors.PathError`);
+    * every level is called when this node's module runs (else
+      :class:`~torchloom.errors.TraceError`);
+    * the modules on the way were not checkpointed / ``fork_rng``'d (they must be traced).
+
+Before / after:
+
+>>> import torch, torchloom as tl
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(2, 2))), nn.Sequential(nn.ReLU()))
+>>> sch = tl.create_schedule(model)
+>>> sch.trace_until("0.0", example_inputs=(torch.randn(1, 2),))
+>>> [type(m).__name__ for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
+['Sequential', 'Sequential', 'Sequential', 'Sequential']
+>>> from torchloom.tracing import is_traced
+>>> [is_traced(m) for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
+[True, True, True, False]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..errors import TraceError
+from ..tracing import _is_container, example_inputs_for, is_traced, trace_module
+from .trace import check_options, install_traced
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+NAME = "trace_until"
+
+__all__ = ["NAME", "apply"]
+
+
+def _levels(sch: Schedule, paths: str | Sequence[str]) -> list[Schedule]:
+    from ..schedule import ScheduleGroup
+
+    items = [paths] if isinstance(paths, str) else list(paths)
+    if not items or not all(isinstance(p, str) and p for p in items):
+        raise TraceError(
+            "paths must be a non-empty path or list of paths below this node",
+            path=sch.path, primitive=NAME, values={"paths": paths},
+            fix=f"e.g. sch[{sch.path!r}].trace_until('transformer.h.*')",
+        )
+    nodes: list[Schedule] = []
+    for item in items:
+        found = sch[item]
+        nodes += found.nodes if isinstance(found, ScheduleGroup) else [found]
+    return nodes
+
+
+def apply(
+    sch: Schedule,
+    paths: str | Sequence[str],
+    leaf_modules: Sequence[str] | None = None,
+    tracer: str = "auto",
+    concrete_args: dict[str, Any] | None = None,
+    example_inputs: Any = None,
+) -> None:
+    """Trace ``sch.mod`` hierarchically, expanding only the way to each level."""
+    leaves = check_options(sch, leaf_modules, False, tracer, NAME)
+    levels = _levels(sch, paths)
+    level_paths = {n.path for n in levels}
+
+    def expand(child_path: str) -> bool:
+        return any(p == child_path or p.startswith(child_path + ".") for p in level_paths)
+
+    if example_inputs is None and tracer == "auto":
+        example_inputs = example_inputs_for(sch.root.mod, sch.mod, sch.path)
+    must = [n.path for n in levels if not is_traced(n.mod) and not _is_container(n.mod)]
+    traced = trace_module(
+        sch.mod, path=sch.path, example_inputs=example_inputs, leaf_modules=leaves,
+        tracer=tracer, concrete_args=concrete_args, expand=expand, must_trace=must,
+    )
+    install_traced(sch, traced)
