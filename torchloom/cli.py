@@ -275,6 +275,12 @@ def list_primitives_command() -> None:
     Console().print(table)
 
 
+def _failures(results: list[Any]) -> list[dict[str, Any]]:
+    """The failed ranks' results, the one that raised before the ranks that died after."""
+    failed = [r for r in results if isinstance(r, dict) and "error" in r]
+    return sorted(failed, key=lambda r: r.get("type") == "RankDied")
+
+
 def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One rank of ``torchloom train``; rank 0 prints a line per step (the loss in full
     precision, so runs can be compared bit for bit)."""
@@ -328,7 +334,7 @@ def train(
         results = [train_rank_cli(torch.distributed.get_rank(), config)]
     else:
         results = run_ranks(train_rank_cli, world, config)
-    failed = [r for r in results if isinstance(r, dict) and "error" in r]
+    failed = _failures(results)
     if failed:
         # A ScheduleError's text is already the full message; anything else is a bug.
         Console().print(escape(failed[0]["error"] if failed[0]["schedule_error"]
@@ -422,7 +428,7 @@ def verify(
     console.print(f"verifying the built-in schedule of [bold]{model}[/] (tiny) on {tp} "
                   f"rank{'s' if tp > 1 else ''}{' with sequence parallelism' if sp else ''}...")
     results = run_ranks(verify_rank, tp, model, tp, sp, ckpt_ratio, seed)
-    failed = [r for r in results if "error" in r]
+    failed = _failures(results)
     if failed:
         console.print(failed[0].get("traceback", failed[0]["error"]))
         raise typer.Exit(code=1)
@@ -442,6 +448,70 @@ def verify(
         raise typer.Exit(code=1)
     console.print(f"[green]ok[/]: {results[0]['primitives']} primitive calls, the scheduled model "
                   "computes what the original does")
+
+
+@app.command()
+@_clean_errors
+def bench(
+    models: str = typer.Option("gpt2,bert", help="Zoo models, separated by commas."),
+    size: str = typer.Option("bench", help="Model size: bench (about 13M parameters, 256 "
+                             "tokens) or tiny (tests)."),
+    steps: int = typer.Option(3, min=1, help="Timed rounds (one step per variant each)."),
+    budget_mb: float = typer.Option(200.0, min=0.0,
+                                    help="Activation-memory budget in MiB (sets the batches)."),
+    max_batch: int = typer.Option(16, min=1, help="Largest batch tried."),
+    ckpt_ratio: float = typer.Option(None, min=0.0, max=1.0, help="The schedule's checkpoint "
+                                     "ratio; default: the least that doubles eager's batch."),
+    device: str = typer.Option("cpu", help="cpu (fp32) or cuda (bf16 autocast)."),
+    compile_backend: str = typer.Option("inductor", help="torch.compile backend."),
+    threads: int = typer.Option(
+        0, min=0, help="torch threads; 0: one per core that is not busy with other processes."),
+    seed: int = typer.Option(0, help="Seed of the weights and the data."),
+    json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot: str = typer.Option(None, help="Write a PNG of the results here."),
+) -> None:
+    """Train each model a few steps as eager, torch.compile and its torchloom schedule,
+    with the batch that fits an activation-memory budget; tokens/s, activations, MFU."""
+    import json
+
+    from .bench import BenchConfig, plot_results, run_bench
+
+    console = Console()
+    num_threads, why = (threads, "--threads") if threads else _default_threads()
+    torch.set_num_threads(num_threads)
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    cfg = BenchConfig(models=names, size=size, steps=steps,
+                      budget_bytes=int(budget_mb * 2**20), max_batch=max_batch,
+                      ckpt_ratio=ckpt_ratio, device=device, compile_backend=compile_backend,
+                      seed=seed)
+    console.print(f"[bold]torchloom bench[/]: {', '.join(names)} ({size}) on {device}, "
+                  f"{_plural(num_threads, 'thread')} ({why}); budget {budget_mb:g} MiB; "
+                  f"{_plural(steps, 'timed round')}")
+    results = run_bench(cfg, log=lambda line: console.print(f"  {escape(line)}"))
+    table = Table(title=f"torchloom bench ({size}, {device}, budget {budget_mb:g} MiB, "
+                        f"medians of {steps} rounds)")
+    for column in ("model", "variant", "batch", "ckpt", "tok/s", "x eager", "act MiB", "MFU",
+                   "compile s"):
+        table.add_column(column, justify="left" if column in ("model", "variant") else "right")
+    for r in results:
+        table.add_row(r["model"], r["variant"], f"{r['batch_size']}", f"{r['ckpt_ratio']:g}",
+                      f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_eager']:.2f}x",
+                      f"{r['peak_activation_bytes'] / 2**20:,.1f}"
+                      + ("" if r["fits_budget"] else " (over)"),
+                      f"{r['mfu']:.1%}", f"{r['compile_s']:.1f}" if "compile_s" in r else "-")
+    console.print(table)
+    if results:
+        console.print(f"MFU = FlopCounterMode FLOPs of a step (forward + backward of the "
+                      f"unscheduled model) / (median step time x "
+                      f"{results[0]['peak_flops_per_s'] / 1e9:,.1f} GFLOP/s, the median "
+                      f"measured matmul peak)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+        console.print(f"wrote {json_path}")
+    if plot:
+        plot_results(results, plot)
+        console.print(f"wrote {plot}")
 
 
 def _param_text(param: inspect.Parameter) -> str:

@@ -6,7 +6,9 @@ current process instead, on the group ``torchrun`` set up.
 
 Each rank returns a JSON-serialisable value; :func:`run_ranks` returns them in rank
 order. An exception in a rank is returned as ``{"error": ..., "type": ..., "schedule_error":
-..., "traceback": ...}`` so that the other ranks' results still arrive.
+..., "traceback": ...}`` so that the other ranks' results still arrive; a rank that died
+without a result (killed, or aborted by gloo when a peer left mid-collective) is reported
+with ``"type": "RankDied"``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     if world_size == 1:
         return [fn(0, *args)]
     with tempfile.TemporaryDirectory(prefix="torchloom-ranks-") as out_dir:
-        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, timeout_s),
-                 nprocs=world_size, join=True)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+        crash = ""
+        try:
+            mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, timeout_s),
+                     nprocs=world_size, join=True)
+        except Exception as exc:  # noqa: BLE001 - a rank died; report what the others said
+            crash = f"{type(exc).__name__}: {exc}"
+        results = []
+        for r in range(world_size):
+            path = Path(out_dir, f"rank{r}.json")
+            if path.exists():
+                results.append(json.loads(path.read_text()))
+            else:
+                results.append({"error": f"rank {r} ended without a result ({crash})",
+                                "type": "RankDied", "schedule_error": False,
+                                "traceback": crash})
+        return results

@@ -146,8 +146,16 @@ def train_rank(rank: int, config: dict[str, Any],
     cfg = TrainConfig(**config)
     world = dist.get_world_size() if dist.is_initialized() else 1
     _check(cfg, world)
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(cfg.deterministic or was_deterministic)
+    try:
+        return _train(cfg, world, rank, on_step)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _train(cfg: TrainConfig, world: int, rank: int,
+           on_step: Callable[[int, float, float], None] | None) -> dict[str, Any]:
     mesh = tp_group = None
     tp_rank = dp_rank = 0
     if world > 1:
