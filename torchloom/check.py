@@ -10,9 +10,9 @@ the fix:
    (nor reduce-scattered) by a ``fwd_post`` sync on it or on any module around it, so
    the next operation (an activation, a norm, the loss) sees a fraction of the value;
 2. **sharded output never consumed**: a column-parallel module's sharded output is not
-   gathered, and the next module with weights (in module order, after any further
-   column-parallel ones) is not row parallel, so it would get a slice of an activation
-   it expects whole;
+   gathered, its own block holds no row-parallel module, and the next module with weights
+   (in module order, after any further column-parallel ones) is not row parallel, so it
+   would get a slice of an activation it expects whole;
 3. **gradient left partial**: a column-parallel module (or its enclosing block) has no
    ``bwd_post`` all-reduce and no ``fwd_pre`` all-gather, so the gradient of its input
    stays a per-rank partial sum (invisible in the forward pass);
@@ -159,6 +159,10 @@ def _next_weighted_leaf(leaves: list[tuple[str, nn.Module]],
     return None
 
 
+def _has_row_parallel(node: Schedule) -> bool:
+    return any(output_placement(s.mod) == Placement.partial() for _, s in node.named_schedules())
+
+
 def check(sch: Schedule) -> CheckReport:
     """Check the whole tree of ``sch`` (from its root) against the rules above."""
     root = sch.root
@@ -200,7 +204,9 @@ def check(sch: Schedule) -> CheckReport:
         if placement is not None and placement.kind == "shard" and not _is_feature_norm(module):
             if effective is not None and effective.kind == "shard":
                 consumer = _next_weighted_leaf(leaves, module)
-                if consumer is None or output_placement(consumer[1]) != Placement.partial():
+                in_region = node.parent is not None and _has_row_parallel(node.parent)
+                if not in_region and (consumer is None or
+                                      output_placement(consumer[1]) != Placement.partial()):
                     whom = (f"the next module with weights, {consumer[0]!r}, holds them whole "
                             "and expects the whole activation" if consumer is not None
                             else "no row-parallel module follows it")

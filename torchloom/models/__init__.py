@@ -15,7 +15,7 @@ Each schedule is a short function of primitives with the same knobs:
 >>> sch.recipe[-1].call_text()
 "sch['transformer.h'].checkpoint(ratio=0.5)"
 >>> models.supported()
-['BertForMaskedLM', 'BertModel', 'GPT2LMHeadModel', 'GPT2Model', 'LlamaForCausalLM', 'LlamaModel']
+['BertForMaskedLM', 'BertModel', 'GPT2LMHeadModel', 'GPT2Model', 'LlamaForCausalLM', 'LlamaModel', 'OPTForCausalLM', 'OPTModel', 'T5ForConditionalGeneration', 'T5Model', 'ViTForImageClassification', 'ViTModel']
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from ..schedule import Schedule
 from .bert import schedule_bert
 from .gpt2 import schedule_gpt2
 from .llama import schedule_llama
+from .opt import schedule_opt
+from .t5 import schedule_t5
+from .vit import schedule_vit
 
 __all__ = ["apply_schedule", "schedule_for", "supported", "register_schedule"]
 
@@ -39,6 +42,12 @@ _REGISTRY: dict[str, ScheduleFn] = {
     "BertModel": schedule_bert,
     "LlamaForCausalLM": schedule_llama,
     "LlamaModel": schedule_llama,
+    "OPTForCausalLM": schedule_opt,
+    "OPTModel": schedule_opt,
+    "T5ForConditionalGeneration": schedule_t5,
+    "T5Model": schedule_t5,
+    "ViTForImageClassification": schedule_vit,
+    "ViTModel": schedule_vit,
 }
 
 
