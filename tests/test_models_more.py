@@ -22,10 +22,14 @@ from torchloom.testing import verify_recipe_roundtrip
 
 # Config overrides that turn off the dropout the modules hold as float attributes.
 NO_DROPOUT = {"opt": {"dropout": 0.0, "attention_dropout": 0.0}, "t5": {"dropout_rate": 0.0},
-              "vit": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}
+              "vit": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+              "gpt2": {}, "bert": {}, "llama": {}}
 
 # (zoo name, extra config fields, transformers class to build instead of the zoo's)
 CASES = [
+    ("gpt2", {}, None),
+    ("bert", {}, None),
+    ("llama", {}, None),
     ("opt", {}, None),
     ("opt", {}, "OPTModel"),
     ("t5", {}, None),
