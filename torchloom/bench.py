@@ -1,0 +1,534 @@
+"""``torchloom bench``: eager vs ``torch.compile`` vs a torchloom schedule, side by side.
+
+Each model is trained for a few steps in one process, in three variants:
+
+* ``"eager"``: the transformers model as it is;
+* ``"compile"``: the same model under ``torch.compile`` (whole model; the first step,
+  which compiles, is excluded from the timings and reported as ``compile_s``);
+* ``"torchloom"``: the model's built-in schedule (:func:`torchloom.models.apply_schedule`,
+  then :func:`torchloom.build`) with activation checkpointing on a ratio of the layers.
+
+The point is the paper's: under a fixed budget for activation memory, checkpointing buys a
+larger batch. The batch of each variant is the largest (up to ``max_batch``) whose peak
+saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
+schedule gets its own. The checkpoint ratio (``ckpt_ratio=None``) is the smallest
+``k / layers`` whose batch is at least twice eager's (all layers if none is).
+
+Activation bytes are exact: a :func:`torch.autograd.graph.saved_tensors_hooks` pack hook
+(:func:`torchloom.tune.memory.count_saved`) adds up the distinct storages autograd saves,
+parameters excluded, plus the inputs a checkpointed layer keeps for its recompute.
+``saved_activation_bytes`` is what the forward leaves for backward; ``peak_activation_bytes``
+also covers the backward, where recomputing checkpointed layer ``j`` saves that layer's
+activations again on top of what was saved before it (later layers are freed by then).
+Both grow affinely with the batch, so the fit uses exact counts at batch 1 and 2; the
+reported values are counted on the warm-up step at the batch that was run.
+
+MFU is ``model FLOPs per step / (median step time x peak FLOP/s)``. Model FLOPs are
+counted by :class:`torch.utils.flop_counter.FlopCounterMode` on one forward and backward of
+the unscheduled model (so recomputation is not counted as useful work); ``6 N tokens`` is
+reported next to it. The peak is measured in the same run: a square matmul loop
+(2048 x 2048 fp32 on CPU, 4096 x 4096 bf16 on CUDA, best of 3) before the first model and
+after every round; the best of these is the peak (the median is reported too).
+
+Variants run interleaved, one step each per round, in an order that rotates every
+round; the medians over rounds are reported. On CUDA the steps run under bf16 autocast,
+are timed with synchronisation, and ``torch.cuda.max_memory_allocated`` is reported too.
+
+>>> cfg = SIZES["tiny"]["gpt2"]
+>>> cfg.seq_len, cfg.overrides["n_layer"]
+(32, 2)
+>>> largest_batch(lambda b: 1000 + 300 * b, budget=2500, max_batch=64)
+5
+>>> largest_batch(lambda b: 1000 + 300 * b, budget=1200, max_batch=64)
+0
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import models, zoo
+from .build import build
+from .errors import ScheduleError
+from .schedule import create_schedule
+from .tune.memory import count_saved
+
+__all__ = [
+    "SIZES",
+    "VARIANTS",
+    "BenchConfig",
+    "ModelSize",
+    "largest_batch",
+    "measure_peak_flops",
+    "plot_results",
+    "run_bench",
+]
+
+VARIANTS = ("eager", "compile", "torchloom")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A zoo model's config overrides and sequence length for one bench size."""
+
+    overrides: dict[str, Any]
+    seq_len: int
+
+
+SIZES: dict[str, dict[str, ModelSize]] = {
+    # For tests: builds and compiles in seconds.
+    "tiny": {
+        "gpt2": ModelSize({"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64}, 32),
+        "bert": ModelSize({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+                           "intermediate_size": 256, "max_position_embeddings": 64}, 32),
+        "llama": ModelSize({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+                            "num_key_value_heads": 2, "intermediate_size": 172,
+                            "max_position_embeddings": 64}, 32),
+    },
+    # What one would train on a CPU: about 13M parameters (byte vocabulary), 256 tokens.
+    "bench": {
+        "gpt2": ModelSize({"n_layer": 4, "n_embd": 512, "n_head": 8, "n_positions": 256}, 256),
+        "bert": ModelSize({"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                           "intermediate_size": 2048, "max_position_embeddings": 256}, 256),
+        "llama": ModelSize({"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                            "num_key_value_heads": 8, "intermediate_size": 1376,
+                            "max_position_embeddings": 256}, 256),
+    },
+}
+
+
+@dataclass
+class BenchConfig:
+    """What ``torchloom bench`` runs (see the module docstring).
+
+    Attributes:
+        models: zoo names, each a key of ``SIZES[size]``.
+        size: a key of :data:`SIZES`.
+        steps: timed rounds (one step of each variant per round).
+        budget_bytes: the activation-memory budget.
+        max_batch: the largest batch tried.
+        ckpt_ratio: the schedule's checkpoint ratio; None chooses it (module docstring).
+        device: ``"cpu"`` (fp32) or ``"cuda"`` (bf16 autocast).
+        compile_backend: ``torch.compile``'s backend.
+        seed: weights and data.
+        variants: which variants to run.
+    """
+
+    models: Sequence[str] = ("gpt2", "bert")
+    size: str = "bench"
+    steps: int = 5
+    budget_bytes: int = 200 * 2**20
+    max_batch: int = 16
+    ckpt_ratio: float | None = None
+    device: str = "cpu"
+    compile_backend: str = "inductor"
+    seed: int = 0
+    variants: Sequence[str] = VARIANTS
+
+
+def largest_batch(bytes_at: Callable[[int], float], budget: float, max_batch: int) -> int:
+    """The largest batch in ``1..max_batch`` with ``bytes_at(batch) <= budget`` (0: none);
+    ``bytes_at`` grows with the batch."""
+    best = 0
+    for batch in range(1, max_batch + 1):
+        if bytes_at(batch) > budget:
+            break
+        best = batch
+    return best
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return torch.autocast(device_type="cpu", enabled=False)
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", size: int | None = None,
+                       repeats: int = 3) -> float:
+    """The best FLOP/s of ``repeats`` square matmuls (fp32 on CPU, bf16 on CUDA).
+
+    >>> measure_peak_flops("cpu", size=64, repeats=2) > 0
+    True
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    size = size or (4096 if cuda else 2048)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    _sync(device)
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = max(best, 2 * size**3 / max(time.perf_counter() - start, 1e-9))
+    return best
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _make(name: str, size: str, seed: int) -> nn.Module:
+    spec = _size(name, size)
+    return zoo.make_model(name, "small", seed=seed, **spec.overrides)
+
+
+def _size(name: str, size: str) -> ModelSize:
+    if size not in SIZES:
+        raise ScheduleError(f"unknown bench size {size!r}; sizes: {', '.join(SIZES)}",
+                            primitive="torchloom bench", values={"size": size},
+                            fix="--size bench")
+    if name not in SIZES[size]:
+        raise ScheduleError(
+            f"torchloom bench has no {name!r} model; it has {', '.join(SIZES[size])}",
+            primitive="torchloom bench", values={"model": name},
+            fix=f"--models {','.join(SIZES[size])}")
+    return SIZES[size][name]
+
+
+def _layers(model: nn.Module, name: str) -> list[nn.Module]:
+    return [layer for path in zoo.layer_paths(name) for layer in model.get_submodule(path)]
+
+
+def _scheduled(name: str, size: str, seed: int, ratio: float) -> nn.Module:
+    model = _make(name, size, seed)
+    sch = create_schedule(model)
+    models.apply_schedule(sch, ckpt_ratio=ratio)
+    built, _ = build(sch)
+    return built
+
+
+def _inputs(name: str, model: nn.Module, batch: int, seq_len: int, seed: int,
+            device: torch.device) -> dict[str, torch.Tensor]:
+    inputs = zoo.example_inputs(name, model, batch_size=batch, seq_len=seq_len, seed=seed)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class _Saved:
+    """Exact saved-activation bytes of one forward (and what its backward adds)."""
+
+    forward: int  # saved when the forward ends
+    layers: list[int] = field(default_factory=list)  # new bytes saved by each layer
+    before_ckpt: list[int] = field(default_factory=list)  # saved before each ckpt layer
+
+    def peak(self, layer_bytes: float) -> float:
+        """The worst moment: the forward's end, or recomputing a checkpointed layer
+        (``layer_bytes``: what that layer saves when it is not checkpointed)."""
+        return max([self.forward, *(b + layer_bytes for b in self.before_ckpt)])
+
+
+def _count(model: nn.Module, name: str, step: Callable[[], torch.Tensor],
+           hooks: bool = True) -> tuple[_Saved, torch.Tensor]:
+    """Run ``step`` (a forward returning the loss) counting saved bytes; return the counts
+    and the loss (the caller runs backward, outside the hooks)."""
+    handles = []
+    layer_bytes: list[int] = []
+    before_ckpt: list[int] = []
+    with count_saved(model) as saved:
+        if hooks:
+            starts: dict[int, int] = {}
+
+            def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                if getattr(module, "_torchloom_checkpointed", False):
+                    # The checkpoint keeps its inputs for the recompute, outside any hook.
+                    for t in _tensors([*args, *kwargs.values()]):
+                        key = t.untyped_storage()._cdata
+                        if key not in saved.exclude:
+                            saved.sizes[key] = t.untyped_storage().nbytes()
+                    before_ckpt.append(saved.total)
+                starts[id(module)] = saved.total
+
+            def post(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+                layer_bytes.append(saved.total - starts.pop(id(module)))
+
+            for layer in _layers(model, name):
+                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(layer.register_forward_hook(post, with_kwargs=True))
+        try:
+            loss = step()
+        finally:
+            for handle in handles:
+                handle.remove()
+    return _Saved(saved.total, layer_bytes, before_ckpt), loss
+
+
+def _loss(model: Callable[..., Any], inputs: dict[str, torch.Tensor],
+          device: torch.device) -> torch.Tensor:
+    with _autocast(device):
+        return model(**inputs).loss
+
+
+def _affine(at1: float, at2: float) -> Callable[[int], float]:
+    return lambda b: at1 + (at2 - at1) * (b - 1)
+
+
+@dataclass
+class _Fit:
+    """Saved bytes of a checkpoint ratio, as functions of the batch."""
+
+    ratio: float
+    peak: Callable[[int], float]
+    batch: int
+
+
+def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
+        list[_Fit], Callable[[int], float]]:
+    """Exact counts at batch 1 and 2 for each ratio ``k / layers``; returns the fits and
+    the bytes one (unscheduled) layer saves, as a function of the batch."""
+    seq_len = _size(name, size).seq_len
+    n_layers = len(_layers(_make(name, size, cfg.seed), name))
+    ratios = ([0.0, cfg.ckpt_ratio] if cfg.ckpt_ratio is not None
+              else [k / n_layers for k in range(n_layers + 1)])
+    counts: dict[float, list[_Saved]] = {}
+    for ratio in dict.fromkeys(ratios):
+        model = _scheduled(name, size, cfg.seed, ratio).to(device)
+        counts[ratio] = []
+        for batch in (1, 2):
+            inputs = _inputs(name, model, batch, seq_len, cfg.seed, device)
+            saved, loss = _count(model, name, functools.partial(_loss, model, inputs, device))
+            del loss
+            counts[ratio].append(saved)
+        del model
+    eager = counts[0.0]
+    layer = _affine(max(eager[0].layers), max(eager[1].layers))
+    fits = []
+    for ratio, (one, two) in counts.items():
+        fwd = _affine(one.forward, two.forward)
+        before = [_affine(a, b) for a, b in zip(one.before_ckpt, two.before_ckpt)]
+
+        def peak(b: int, fwd: Callable[[int], float] = fwd,
+                 before: list[Callable[[int], float]] = before) -> float:
+            return max([fwd(b), *(f(b) + layer(b) for f in before)])
+
+        fits.append(_Fit(ratio, peak, largest_batch(peak, cfg.budget_bytes, cfg.max_batch)))
+    return fits, layer
+
+
+def _choose(fits: list[_Fit], cfg: BenchConfig) -> _Fit:
+    eager = fits[0]
+    if cfg.ckpt_ratio is not None:
+        return next(f for f in fits if f.ratio == cfg.ckpt_ratio)
+    target = min(cfg.max_batch, 2 * max(1, eager.batch))
+    for fit in fits[1:]:
+        if fit.batch >= target:
+            return fit
+    return max(fits[1:], key=lambda f: (f.batch, -f.ratio)) if len(fits) > 1 else eager
+
+
+def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -> float:
+    """FLOPs of one forward and backward of one sequence (FlopCounterMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _make(name, size, cfg.seed).to(device)
+    inputs = _inputs(name, model, 1, _size(name, size).seq_len, cfg.seed, device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _loss(model, inputs, device).backward()
+    return float(counter.get_total_flops())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Variant:
+    name: str
+    model: nn.Module
+    call: Callable[..., Any]
+    optimizer: torch.optim.Optimizer
+    batch: int
+    ratio: float
+    times: list[float] = field(default_factory=list)
+    saved: _Saved | None = None
+    peak_bytes: float = 0.0
+    compile_s: float | None = None
+    cuda_peak: int | None = None
+
+
+def _step(v: _Variant, inputs: dict[str, torch.Tensor], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    loss = _loss(v.call, inputs, device)
+    loss.backward()
+    v.optimizer.step()
+    v.optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
+              ) -> list[dict[str, Any]]:
+    """Run the benchmark; one result dict per (model, variant), in model order.
+
+    Keys: ``model``, ``variant``, ``tokens_per_s``, ``peak_activation_bytes``, ``mfu``, and
+    ``batch_size``, ``seq_len``, ``ckpt_ratio``, ``step_s`` (median), ``step_s_all``,
+    ``speedup_vs_eager``, ``saved_activation_bytes``, ``budget_bytes``, ``fits_budget``,
+    ``model_flops_per_step`` (FlopCounterMode), ``flops_6nt_per_step``,
+    ``peak_flops_per_s``, ``compile_s`` (compile only), ``cuda_max_memory_allocated``
+    (CUDA only), ``parameters``, ``device``, ``threads``.
+    """
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ScheduleError("--device cuda, but torch sees no CUDA device",
+                            primitive="torchloom bench", values={"device": cfg.device},
+                            fix="--device cpu")
+    unknown = [v for v in cfg.variants if v not in VARIANTS]
+    if unknown or "eager" not in cfg.variants:
+        raise ScheduleError(f"variants must include eager and be among {', '.join(VARIANTS)}",
+                            primitive="torchloom bench", values={"variants": cfg.variants},
+                            fix="variants=('eager', 'compile', 'torchloom')")
+    results: list[dict[str, Any]] = []
+    peaks: list[float] = [measure_peak_flops(device)]
+    log(f"peak matmul: {peaks[0] / 1e9:,.1f} GFLOP/s")
+    for name in cfg.models:
+        spec = _size(name, cfg.size)
+        fits, layer_at = _fit(name, cfg.size, cfg, device)
+        eager_fit, tl_fit = fits[0], _choose(fits, cfg)
+        log(f"{name}: largest batch under {cfg.budget_bytes / 2**20:,.0f} MiB: eager "
+            f"{eager_fit.batch}, checkpoint ratio {tl_fit.ratio:g} {tl_fit.batch}")
+        flops_per_seq = _model_flops(name, cfg.size, cfg, device)
+
+        variants: list[_Variant] = []
+        for vname in [v for v in VARIANTS if v in cfg.variants]:
+            fit = tl_fit if vname == "torchloom" else eager_fit
+            model = (_scheduled(name, cfg.size, cfg.seed, fit.ratio) if vname == "torchloom"
+                     else _make(name, cfg.size, cfg.seed)).to(device)
+            call: Callable[..., Any] = model
+            if vname == "compile":
+                call = torch.compile(model, backend=cfg.compile_backend)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            variants.append(_Variant(vname, model, call, opt, max(1, fit.batch), fit.ratio))
+        n_params = sum(p.numel() for p in variants[0].model.parameters())
+
+        # Warm-up: compile (timed), then one step per variant counting saved bytes.
+        for v in variants:
+            inputs = _inputs(name, v.model, v.batch, spec.seq_len, cfg.seed, device)
+            if v.name == "compile":
+                v.compile_s = _step(v, inputs, device)
+                log(f"{name}: compile (first step) {v.compile_s:.1f} s")
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            saved, loss = _count(v.model, name, functools.partial(_loss, v.call, inputs, device),
+                                 hooks=v.name != "compile")
+            loss.backward()
+            del loss
+            v.optimizer.step()
+            v.optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                v.cuda_peak = torch.cuda.max_memory_allocated(device)
+            v.saved = saved
+            # Recomputing a checkpointed layer saves what one unscheduled layer saves at
+            # this batch (counted exactly at batch 1 and 2; affine in the batch).
+            v.peak_bytes = saved.peak(layer_at(v.batch))
+
+        # Timed rounds: one step per variant, order rotating each round.
+        for r in range(cfg.steps):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for v in order:
+                inputs = _inputs(name, v.model, v.batch, spec.seq_len, cfg.seed + 1 + r,
+                                 device)
+                v.times.append(_step(v, inputs, device))
+            peaks.append(measure_peak_flops(device))
+            log(f"{name}: round {r + 1}/{cfg.steps}: " + ", ".join(
+                f"{v.name} {v.times[-1]:.2f} s" for v in variants))
+
+        # The peak is the best the machine showed in this run (a shared machine shows less
+        # at times); MFU with it is a lower bound.
+        peak_flops = max(peaks)
+        eager_tps = None
+        for v in variants:
+            step_s = statistics.median(v.times)
+            tokens = v.batch * spec.seq_len
+            tps = tokens / step_s
+            eager_tps = eager_tps or tps
+            flops = flops_per_seq * v.batch
+            row: dict[str, Any] = {
+                "model": name,
+                "variant": v.name,
+                "tokens_per_s": tps,
+                "speedup_vs_eager": tps / eager_tps,
+                "peak_activation_bytes": round(v.peak_bytes),
+                "saved_activation_bytes": v.saved.forward if v.saved else None,
+                "budget_bytes": cfg.budget_bytes,
+                "fits_budget": v.peak_bytes <= cfg.budget_bytes,
+                "mfu": flops / (step_s * peak_flops),
+                "batch_size": v.batch,
+                "seq_len": spec.seq_len,
+                "ckpt_ratio": v.ratio,
+                "step_s": step_s,
+                "step_s_all": v.times,
+                "model_flops_per_step": flops,
+                "flops_source": "FlopCounterMode (forward + backward, unscheduled model)",
+                "flops_6nt_per_step": 6.0 * n_params * tokens,
+                "peak_flops_per_s": peak_flops,
+                "peak_flops_per_s_median": statistics.median(peaks),
+                "parameters": n_params,
+                "device": device.type,
+                "dtype": "bf16 autocast" if device.type == "cuda" else "fp32",
+                "threads": torch.get_num_threads(),
+                "size": cfg.size,
+            }
+            if v.compile_s is not None:
+                row["compile_s"] = v.compile_s
+                row["compile_backend"] = cfg.compile_backend
+            if v.cuda_peak is not None:
+                row["cuda_max_memory_allocated"] = v.cuda_peak
+            results.append(row)
+        del variants
+        if hasattr(torch, "_dynamo"):
+            torch._dynamo.reset()
+    return results
+
+
+def plot_results(results: list[dict[str, Any]], path: str) -> None:
+    """A PNG: tokens/s and peak activation MiB per model and variant (budget dashed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(dict.fromkeys(r["model"] for r in results))
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        rows = {r["model"]: r for r in results if r["variant"] == variant}
+        xs = [j + i * width for j in range(len(names))]
+        tps = [rows[n]["tokens_per_s"] if n in rows else 0 for n in names]
+        mib = [rows[n]["peak_activation_bytes"] / 2**20 if n in rows else 0 for n in names]
+        labels = [f"b={rows[n]['batch_size']}" if n in rows else "" for n in names]
+        bars = axes[0].bar(xs, tps, width, label=variant)
+        axes[0].bar_label(bars, labels=labels, fontsize=7)
+        axes[1].bar(xs, mib, width, label=variant)
+    budget = results[0]["budget_bytes"] / 2**20 if results else 0
+    axes[1].axhline(budget, linestyle="--", color="k", label="budget")
+    for ax, title in zip(axes, ("throughput (tokens/s)", "peak saved activations (MiB)")):
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(names))])
+        ax.set_xticklabels(names)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
