@@ -14,7 +14,7 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
-from . import ops  # noqa: E402  (the kernel library; imports torchloom.collectives)
+from . import ops, parallel
 from .build import build, init_empty_weights
 from .check import CheckReport, Finding, check
 from .errors import (
@@ -75,6 +75,7 @@ __all__ = [
     "Verify",
     "check",
     "ops",
+    "parallel",
     "BuildError",
     "CheckpointError",
     "PathError",
