@@ -21,15 +21,20 @@ from .errors import (
     AnnotateError,
     BuildError,
     CheckpointError,
+    FuseError,
     PathError,
+    PatternError,
     RecipeError,
     ReplaceError,
     RngError,
     ScheduleError,
     ShardError,
     SyncError,
+    TraceError,
+    TraceGuardError,
 )
 from .meta import ShardSpec, get_meta, shard_spec
+from .pattern import Match, ModulePattern, Pattern
 from .primitives import list_primitives
 from .recipe import Recipe, RecipeEntry, apply_recipe
 from .rng import set_random_seed
@@ -60,6 +65,13 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AnnotateError",
+    "FuseError",
+    "Match",
+    "ModulePattern",
+    "Pattern",
+    "PatternError",
+    "TraceError",
+    "TraceGuardError",
     "CheckpointIOError",
     "CheckpointMismatchError",
     "CollectiveTimeoutError",
@@ -100,10 +112,3 @@ __all__ = [
     "set_random_seed",
     "shard_spec",
 ]
-
-# Static-graph primitives (trace / find / fuse): their errors and pattern types.
-from .errors import FuseError, PatternError, TraceError, TraceGuardError  # noqa: E402
-from .pattern import Match, ModulePattern, Pattern  # noqa: E402
-
-__all__ += ["FuseError", "Match", "ModulePattern", "Pattern", "PatternError", "TraceError",
-            "TraceGuardError"]
