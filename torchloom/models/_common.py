@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..schedule import Schedule
 
-__all__ = ["column", "row", "region", "sp_norms", "SEQ_AXIS"]
+__all__ = ["column", "row", "region", "sp_norms", "sp_final_norm", "SEQ_AXIS"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 
@@ -60,3 +60,11 @@ def sp_norms(nodes: list[Schedule]) -> None:
     """Norms that run on sequence slices: all-reduce their parameter gradients."""
     for node in nodes:
         node.sync("param_grad", "all_reduce")
+
+
+def sp_final_norm(node: Schedule) -> None:
+    """The last norm of a sequence-parallel model: it runs on sequence slices (its
+    gradients are all-reduced) and its output is gathered whole for the head. Every rank
+    then computes the same head, so the gather's backward keeps this rank's slice."""
+    sp_norms([node])
+    node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_norms
+from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 
@@ -31,8 +31,6 @@ def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
                 sp_norms([block["ln_1"], block["ln_2"]])
         if sequence_parallel:
             sch[f"{base}drop"].sync("fwd_post", "scatter", axis=SEQ_AXIS)
-            sp_norms([sch[f"{base}ln_f"]])
-            sch[f"{base}ln_f"].sync("fwd_post", "all_gather", axis=SEQ_AXIS,
-                                    tensor_parallel_output_grad=False)
+            sp_final_norm(sch[f"{base}ln_f"])
     if ckpt_ratio:
         sch[f"{base}h"].checkpoint(ratio=ckpt_ratio)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_norms
+from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_llama"]
 
@@ -25,8 +25,6 @@ def schedule_llama(sch: Schedule, *, tp: bool = False, sequence_parallel: bool =
             # and the causal mask from the embedding output's sequence length.
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS,
                                         input_name="hidden_states")
-            sp_norms([sch[f"{base}norm"]])
-            sch[f"{base}norm"].sync("fwd_post", "all_gather", axis=SEQ_AXIS,
-                                    tensor_parallel_output_grad=False)
+            sp_final_norm(sch[f"{base}norm"])
     if ckpt_ratio:
         sch[f"{base}layers"].checkpoint(ratio=ckpt_ratio)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import collectives as C
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_norms
+from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_vit"]
 
@@ -32,9 +32,7 @@ def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
                 sp_norms([layer["layernorm_before"], layer["layernorm_after"]])
         if sequence_parallel:
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS)
-            sp_norms([sch[f"{base}layernorm"]])
-            sch[f"{base}layernorm"].sync("fwd_post", "all_gather", axis=SEQ_AXIS,
-                                         tensor_parallel_output_grad=False)
+            sp_final_norm(sch[f"{base}layernorm"])
     if ckpt_ratio:
         sch[f"{base}layers"].checkpoint(ratio=ckpt_ratio)
 
