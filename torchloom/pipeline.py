@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from ._outputs import main_tensor
 from .errors import BuildError
 from .tracing import _guard_equal, is_guard, is_traced
 
@@ -179,18 +180,6 @@ class _Recorder(fx.Interpreter):
         value = super().run_node(n)
         self.values[n] = value
         return value
-
-
-def _first_tensor(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value
-    if hasattr(value, "keys"):
-        if "logits" in value.keys() and isinstance(value["logits"], torch.Tensor):
-            return value["logits"]
-        return next(v for v in value.values() if isinstance(v, torch.Tensor))
-    if isinstance(value, (tuple, list)):
-        return next(v for v in value if isinstance(v, torch.Tensor))
-    return value
 
 
 def _pack(*items: Any) -> tuple:
@@ -349,7 +338,7 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict) -> Stages:
                 graph.call_function(_guard_equal, (env[node], values[node],
                                                    f"{node.name}|crosses a pipeline cut"))
         if k == num_stages - 1:
-            result = graph.call_function(_first_tensor, (arg(output_node.args[0]),))
+            result = graph.call_function(main_tensor, (arg(output_node.args[0]),))
             graph.output(result)
         else:
             outs = [env[n] if n in env else arg(n) for n in live[k + 1]]
@@ -395,7 +384,7 @@ def replay_stages(stages: Stages, inputs: tuple | dict) -> list[tuple[Any, Any]]
         if k + 1 < len(stages.modules):
             expected: Any = tuple(by_name[name] for name in stages.inputs[k + 1])
         else:
-            expected = _first_tensor(final)
+            expected = main_tensor(final)
         pairs.append((got, expected))
     return pairs
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._outputs import tensors_in
 from .meta import get_meta, has_meta
 from .recipe import Recipe, apply_recipe
 from .schedule import Schedule
@@ -52,14 +53,6 @@ def structure_of(model: nn.Module) -> dict[str, Any]:
 def _run(model: nn.Module, inputs: tuple | dict) -> Any:
     with torch.no_grad():
         return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "keys"):
-        return next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return next(v for v in out if isinstance(v, torch.Tensor))
 
 
 def verify_recipe_roundtrip(
@@ -95,8 +88,8 @@ def verify_recipe_roundtrip(
         sch.mod.eval()
         replayed.mod.eval()
         try:
-            expected = _first_tensor(_run(sch.mod, example_inputs))
-            actual = _first_tensor(_run(replayed.mod, example_inputs))
+            expected = tensors_in(_run(sch.mod, example_inputs))[0]
+            actual = tensors_in(_run(replayed.mod, example_inputs))[0]
         finally:
             sch.mod.train(was_training)
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as C
+from ._outputs import tensors_in
 from .check import check, effective_output_placement
 from .errors import ScheduleError
 from .meta import ShardSpec, shard_spec
@@ -77,24 +78,13 @@ class VerificationError(ScheduleError):
     """The scheduled model computes something else than the original (or would)."""
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in an output (tensor, tuple/list, dict, transformers ModelOutput)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if hasattr(value, "values") and callable(value.values):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 def _default_loss(output: Any) -> torch.Tensor:
     """``output.loss`` if the model computed one, else a fixed random projection of the
     first output tensor (its gradient is O(1) everywhere, unlike a mean)."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    first = _tensors(output)[0]
+    first = tensors_in(output)[0]
     weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(0))
     return (first.float() * weights.to(first.device)).sum()
 
@@ -156,7 +146,7 @@ class _Recorder:
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             if self.stack and self.stack[-1] == path:
                 self.stack.pop()
-            tensors = [t for t in _tensors(output) if t.is_floating_point()]
+            tensors = [t for t in tensors_in(output) if t.is_floating_point()]
             if tensors:
                 call = self.calls.get(path, 1) - 1
                 self.outputs.append(_Record(path, call, tensors[0].detach().clone(), module))
@@ -394,7 +384,7 @@ class Verify:
         for k, (got, expected) in enumerate(pairs, start=1):
             failed = isinstance(got, Exception)
             excess = [] if failed else self._errors(
-                [(g, e) for g, e in zip(_tensors(got), _tensors(expected))])
+                [(g, e) for g, e in zip(tensors_in(got), tensors_in(expected))])
             if failed or any(e == e and e > 0 for e in excess):
                 cut = stages.cuts[k - 1]
                 raise self._fail(
