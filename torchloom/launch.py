@@ -39,10 +39,12 @@ def under_torchrun() -> bool:
 
 def init_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from the environment (torchrun), with a
-    timeout so a dead rank stops the others instead of hanging for gloo's 30 minutes."""
+    timeout so a dead rank stops the others instead of hanging for gloo's 30 minutes;
+    a no-op when a group exists. NCCL when CUDA is present, gloo otherwise."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        from .state import init_distributed
+
+        init_distributed("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
 
 
 def free_port() -> int:
