@@ -21,6 +21,7 @@ from .errors import (
     AnnotateError,
     BuildError,
     CheckpointError,
+    CompileError,
     FuseError,
     PathError,
     PatternError,
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AnnotateError",
     "FuseError",
+    "CompileError",
     "Match",
     "ModulePattern",
     "Pattern",

@@ -157,4 +157,8 @@ class FuseError(ScheduleError):
     """``fuse`` or ``decompose`` cannot be applied as asked."""
 
 
-__all__ += ["TraceError", "TraceGuardError", "PatternError", "FuseError"]
+class CompileError(ScheduleError):
+    """``compile`` cannot be applied as asked."""
+
+
+__all__ += ["TraceError", "TraceGuardError", "PatternError", "FuseError", "CompileError"]

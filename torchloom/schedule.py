@@ -37,6 +37,7 @@ from . import pattern as _pattern
 from .errors import PathError, ScheduleError
 from .primitives import annotate as _annotate
 from .primitives import checkpoint as _checkpoint
+from .primitives import compile as _compile
 from .primitives import decompose as _decompose
 from .primitives import fuse as _fuse
 from .primitives import fork_rng as _fork_rng
@@ -325,6 +326,14 @@ class Schedule:
         :mod:`torchloom.primitives.fork_rng`."""
         _fork_rng.apply(self)
 
+    @recorded
+    def compile(self, backend: str | Callable[..., Any] = "inductor", *,
+                mode: str | None = None, dynamic: bool | None = None,
+                fullgraph: bool = False) -> None:
+        """Run this module's forward through ``torch.compile``, in place; see
+        :mod:`torchloom.primitives.compile`."""
+        _compile.apply(self, backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+
     # ------------------------------------------------------------------ static graphs
 
     @recorded
@@ -493,6 +502,11 @@ class ScheduleGroup:
     def fork_rng(self) -> None:
         """``fork_rng`` on every node."""
         self._apply("fork_rng")
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor", **kwargs: Any) -> None:
+        """``compile`` on every node (same options; the nodes of a layer stack share one
+        compiled graph)."""
+        self._apply("compile", backend, **kwargs)
 
     def trace(self, **kwargs: Any) -> None:
         """``trace`` on every node (same options)."""

@@ -4,7 +4,7 @@ Each module defines ``NAME`` and ``apply(sch, ...)``; :class:`torchloom.Schedule
 each as a typed, documented method. :func:`list_primitives` lists them.
 
 >>> list_primitives()  # doctest: +NORMALIZE_WHITESPACE
-['annotate', 'checkpoint', 'cut_pipeline_stage', 'decompose', 'fork_rng', 'fuse',
+['annotate', 'checkpoint', 'compile', 'cut_pipeline_stage', 'decompose', 'fork_rng', 'fuse',
  'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Callable
 from . import (
     annotate,
     checkpoint,
+    compile,
     cut_pipeline_stage,
     decompose,
     fork_rng,
@@ -31,7 +32,7 @@ __all__ = ["PRIMITIVES", "list_primitives"]
 
 PRIMITIVES: dict[str, Callable[..., Any]] = {
     m.NAME: m.apply
-    for m in (annotate, checkpoint, cut_pipeline_stage, decompose, fork_rng, fuse, replace,
+    for m in (annotate, checkpoint, compile, cut_pipeline_stage, decompose, fork_rng, fuse, replace,
               replace_all, shard, sync, trace, trace_until)
 }
 
