@@ -13,7 +13,6 @@ from transformers.pytorch_utils import Conv1D
 
 import torchloom as tl
 from torchloom.build import build, init_empty_weights
-from torchloom.meta import ShardSpec
 from torchloom.errors import BuildError
 from torchloom.meta import ShardSpec, get_meta, shard_spec
 

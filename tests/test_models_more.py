@@ -124,3 +124,72 @@ def test_vit_sequence_parallel_in_one_process():
     models.apply_schedule(sch, tp=True, sequence_parallel=True)
     torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits,
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,extra,cls", CASES, ids=lambda v: str(v) if v else "")
+def test_compile_knob_keeps_outputs_and_gradients(name, extra, cls):
+    """``compile=`` compiles every transformer layer in place (here with aot_eager, which
+    captures and differentiates the graph like inductor but runs eager kernels) on top of
+    TP and checkpointing; outputs and gradients stay equal."""
+    reference = _make(name, extra, cls)
+    model = copy.deepcopy(reference)
+    inputs = _inputs(name, reference, cls)
+    sch = tl.create_schedule(model)
+    models.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile="aot_eager")
+    compiled = [path for path, node in sch.named_schedules()
+                if getattr(node.mod, "_torchloom_compiled", False)]
+    layer_paths = [f"{stack}.{i}" for stack in zoo.layer_paths(name)
+                   for i in range(len(model.get_submodule(stack)))] if cls is None else None
+    if layer_paths is not None:
+        assert compiled == layer_paths
+    assert compiled and all("compile('aot_eager')" in line
+                            for line in str(sch.recipe).splitlines() if "compile(" in line)
+    out, ref_out = model(**inputs), reference(**inputs)
+    torch.testing.assert_close(out[0], ref_out[0], rtol=1e-5, atol=1e-6)
+    _loss(out).backward()
+    _loss(ref_out).backward()
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_params[pname].grad, rtol=1e-5, atol=1e-6,
+                                   msg=f"grad of {pname}")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_kernel_knobs_with_inductor(name):
+    """GPT-2 and BERT with torchloom's kernels (SDPA attention, fused blocks) and every
+    layer compiled by inductor: outputs and gradients within 1e-5 of the original."""
+    reference = _make(name, {}, None)
+    model = copy.deepcopy(reference)
+    inputs = _inputs(name, reference, None)
+    sch = tl.create_schedule(model)
+    models.apply_schedule(sch, attention="sdpa", fused=True, ckpt_ratio=0.5, compile=True)
+    text = str(sch.recipe)
+    assert "make_sdpa_" in text and "make_fused_" in text and ".compile('inductor')" in text
+    assert list(model.state_dict()) == list(reference.state_dict())
+    out, ref_out = model(**inputs), reference(**inputs)
+    torch.testing.assert_close(out[0], ref_out[0], rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    ref_out.loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_params[pname].grad, rtol=1e-5, atol=1e-5,
+                                   msg=f"grad of {pname}")
+
+
+def test_kernel_knob_errors():
+    sch = tl.create_schedule(_make("gpt2", {}, None))
+    with pytest.raises(ScheduleError) as info:
+        models.apply_schedule(sch, tp=True, fused=True)
+    assert str(info.value).splitlines()[0] == (
+        "sch[''].models.schedule_gpt2(...): the fused blocks compute their projections "
+        "without calling the projection modules, so tensor parallelism's sync hooks on those "
+        "modules would not run")
+    assert info.value.fix.startswith("apply_schedule(sch, tp=True, compile=True)")
+    with pytest.raises(ScheduleError) as info:
+        models.apply_schedule(sch, attention="flash")
+    assert info.value.values == {"attention": "flash", "choices": ["model", "sdpa"]}
+    with pytest.raises(ScheduleError) as info:
+        models.apply_schedule(sch, compile=1)
+    assert info.value.values == {"compile": "1"}
+    assert info.value.path == "transformer.h"
+    assert len(sch.recipe) == 0

@@ -6,13 +6,20 @@ Each model is trained for a few steps in one process, in three variants:
 * ``"compile"``: the same model under ``torch.compile`` (whole model; the first step,
   which compiles, is excluded from the timings and reported as ``compile_s``);
 * ``"torchloom"``: the model's built-in schedule (:func:`torchloom.models.apply_schedule`,
-  then :func:`torchloom.build`) with activation checkpointing on a ratio of the layers.
+  then :func:`torchloom.build`): each transformer layer compiled in place (the ``compile``
+  primitive; ``schedule_compile=False`` leaves it out) and activation checkpointing on a
+  ratio of the layers. The module tree and state-dict keys stay those of the model.
 
-The point is the paper's: under a fixed budget for activation memory, checkpointing buys a
-larger batch. The batch of each variant is the largest (up to ``max_batch``) whose peak
+The point is the paper's: under a fixed budget for activation memory, the schedule buys a
+larger batch (compiled layers save fewer activations, checkpointed ones only their
+inputs). The batch of each variant is the largest (up to ``max_batch``) whose peak
 saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
-schedule gets its own. The checkpoint ratio (``ckpt_ratio=None``) is the smallest
-``k / layers`` whose batch is at least twice eager's (all layers if none is).
+schedule gets its own. The checkpoint ratio (``ckpt_ratio=None``) is tuned by measuring:
+two candidates, no checkpointing and the smallest ``k / layers`` whose batch is at least
+twice eager's, each run for ``sweep_steps`` steps at its batch; the one with more tokens/s
+is the schedule (the sweep is in the results, ``ckpt_sweep``). Recomputing costs a
+third of a layer's work, so it wins where a larger batch runs faster (GPUs), and loses
+where it does not (these CPUs).
 
 Activation bytes are exact: a :func:`torch.autograd.graph.saved_tensors_hooks` pack hook
 (:func:`torchloom.tune.memory.count_saved`) adds up the distinct storages autograd saves,
@@ -120,6 +127,11 @@ class BenchConfig:
         compile_backend: ``torch.compile``'s backend.
         seed: weights and data.
         variants: which variants to run.
+        schedule_compile: the schedule also compiles each transformer layer in place
+            (``apply_schedule(..., compile=compile_backend)``).
+        sweep_steps: timed steps per candidate when the checkpoint ratio is chosen by
+            measuring (``ckpt_ratio=None``); 0 takes the least ratio that doubles eager's
+            batch without measuring.
     """
 
     models: Sequence[str] = ("gpt2", "bert")
@@ -132,6 +144,8 @@ class BenchConfig:
     compile_backend: str = "inductor"
     seed: int = 0
     variants: Sequence[str] = VARIANTS
+    schedule_compile: bool = True
+    sweep_steps: int = 2
 
 
 def largest_batch(bytes_at: Callable[[int], float], budget: float, max_batch: int) -> int:
@@ -208,12 +222,21 @@ def _layers(model: nn.Module, name: str) -> list[nn.Module]:
     return [layer for path in zoo.layer_paths(name) for layer in model.get_submodule(path)]
 
 
-def _scheduled(name: str, size: str, seed: int, ratio: float) -> nn.Module:
-    model = _make(name, size, seed)
+def _scheduled(name: str, size: str, cfg: BenchConfig, ratio: float) -> nn.Module:
+    model = _make(name, size, cfg.seed)
     sch = create_schedule(model)
-    models.apply_schedule(sch, ckpt_ratio=ratio)
+    knobs: dict[str, Any] = {"ckpt_ratio": ratio}
+    if cfg.schedule_compile:
+        knobs["compile"] = cfg.compile_backend
+    models.apply_schedule(sch, **knobs)
     built, _ = build(sch)
     return built
+
+
+def _reset_compiled() -> None:
+    """Forget compiled code (inductor's on-disk cache makes compiling again cheap), so the
+    next model compiles for its own batch with static shapes."""
+    torch._dynamo.reset()
 
 
 def _inputs(name: str, model: nn.Module, batch: int, seq_len: int, seed: int,
@@ -295,16 +318,19 @@ class _Fit:
 
 
 def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
-        list[_Fit], Callable[[int], float]]:
-    """Exact counts at batch 1 and 2 for each ratio ``k / layers``; returns the fits and
-    the bytes one (unscheduled) layer saves, as a function of the batch."""
+        _Fit, list[_Fit], Callable[[int], float]]:
+    """Exact counts at batch 1 and 2 of the eager model and of the schedule at each ratio
+    ``k / layers``; returns eager's fit, the schedule's fits (ratio 0 first) and the bytes
+    one layer of the schedule saves when it is not checkpointed, as a function of the
+    batch (what recomputing a checkpointed layer saves again)."""
     seq_len = _size(name, size).seq_len
     n_layers = len(_layers(_make(name, size, cfg.seed), name))
     ratios = ([0.0, cfg.ckpt_ratio] if cfg.ckpt_ratio is not None
               else [k / n_layers for k in range(n_layers + 1)])
-    counts: dict[float, list[_Saved]] = {}
-    for ratio in dict.fromkeys(ratios):
-        model = _scheduled(name, size, cfg.seed, ratio).to(device)
+    counts: dict[float | None, list[_Saved]] = {}
+    for ratio in [None, *dict.fromkeys(ratios)]:  # None: the eager model
+        model = (_make(name, size, cfg.seed) if ratio is None
+                 else _scheduled(name, size, cfg, ratio)).to(device)
         counts[ratio] = []
         for batch in (1, 2):
             inputs = _inputs(name, model, batch, seq_len, cfg.seed, device)
@@ -312,8 +338,8 @@ def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
             del loss
             counts[ratio].append(saved)
         del model
-    eager = counts[0.0]
-    layer = _affine(max(eager[0].layers), max(eager[1].layers))
+    plain = counts[0.0]
+    layer = _affine(max(plain[0].layers), max(plain[1].layers))
     fits = []
     for ratio, (one, two) in counts.items():
         fwd = _affine(one.forward, two.forward)
@@ -323,19 +349,25 @@ def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
                  before: list[Callable[[int], float]] = before) -> float:
             return max([fwd(b), *(f(b) + layer(b) for f in before)])
 
-        fits.append(_Fit(ratio, peak, largest_batch(peak, cfg.budget_bytes, cfg.max_batch)))
-    return fits, layer
+        fits.append(_Fit(ratio or 0.0, peak,
+                         largest_batch(peak, cfg.budget_bytes, cfg.max_batch)))
+    return fits[0], fits[1:], layer
 
 
-def _choose(fits: list[_Fit], cfg: BenchConfig) -> _Fit:
-    eager = fits[0]
+def _candidates(eager: _Fit, fits: list[_Fit], cfg: BenchConfig) -> list[_Fit]:
+    """The schedule's checkpoint ratios worth running: the given one; else no
+    checkpointing (with the largest batch that fits without it) and the least ratio whose
+    batch doubles eager's (the largest batch if none does)."""
     if cfg.ckpt_ratio is not None:
-        return next(f for f in fits if f.ratio == cfg.ckpt_ratio)
+        return [next(f for f in fits if f.ratio == cfg.ckpt_ratio)]
     target = min(cfg.max_batch, 2 * max(1, eager.batch))
-    for fit in fits[1:]:
-        if fit.batch >= target:
-            return fit
-    return max(fits[1:], key=lambda f: (f.batch, -f.ratio)) if len(fits) > 1 else eager
+    doubling = next((f for f in fits[1:] if f.batch >= target), None)
+    if doubling is None and len(fits) > 1:
+        doubling = max(fits[1:], key=lambda f: (f.batch, -f.ratio))
+    out = [fits[0]] if fits[0].batch >= 1 else []
+    if doubling is not None and doubling.batch > fits[0].batch:
+        out.append(doubling)
+    return out or fits[:1]
 
 
 def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -> float:
@@ -348,6 +380,30 @@ def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -
     with counter:
         _loss(model, inputs, device).backward()
     return float(counter.get_total_flops())
+
+
+def _sweep(name: str, cfg: BenchConfig, candidates: list[_Fit], device: torch.device,
+           log: Callable[[str], None]) -> list[tuple[_Fit, float]]:
+    """Time each candidate ratio (at its largest batch) for ``cfg.sweep_steps`` steps
+    after one warm-up step; ``(fit, tokens/s)`` for each (empty: nothing to choose)."""
+    if len(candidates) < 2 or cfg.sweep_steps < 1:
+        return []
+    seq_len = _size(name, cfg.size).seq_len
+    out = []
+    for fit in candidates:
+        _reset_compiled()
+        model = _scheduled(name, cfg.size, cfg, fit.ratio).to(device)
+        v = _Variant("torchloom", model, model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                     fit.batch, fit.ratio)
+        inputs = _inputs(name, model, fit.batch, seq_len, cfg.seed, device)
+        _step(v, inputs, device)
+        times = [_step(v, inputs, device) for _ in range(cfg.sweep_steps)]
+        tps = fit.batch * seq_len / statistics.median(times)
+        log(f"{name}: schedule with ckpt ratio {fit.ratio:g}, batch {fit.batch}: "
+            f"{tps:,.0f} tokens/s")
+        out.append((fit, tps))
+        del model, v
+    return out
 
 
 # --------------------------------------------------------------------------- the run
@@ -405,16 +461,20 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
     log(f"peak matmul: {peaks[0] / 1e9:,.1f} GFLOP/s")
     for name in cfg.models:
         spec = _size(name, cfg.size)
-        fits, layer_at = _fit(name, cfg.size, cfg, device)
-        eager_fit, tl_fit = fits[0], _choose(fits, cfg)
+        eager_fit, fits, layer_at = _fit(name, cfg.size, cfg, device)
+        candidates = _candidates(eager_fit, fits, cfg)
         log(f"{name}: largest batch under {cfg.budget_bytes / 2**20:,.0f} MiB: eager "
-            f"{eager_fit.batch}, checkpoint ratio {tl_fit.ratio:g} {tl_fit.batch}")
+            f"{eager_fit.batch}; schedule " + ", ".join(
+                f"ckpt ratio {f.ratio:g}: {f.batch}" for f in fits))
+        sweep = _sweep(name, cfg, candidates, device, log)
+        tl_fit = max(sweep, key=lambda c: c[1])[0] if sweep else candidates[-1]
         flops_per_seq = _model_flops(name, cfg.size, cfg, device)
 
         variants: list[_Variant] = []
+        _reset_compiled()
         for vname in [v for v in VARIANTS if v in cfg.variants]:
             fit = tl_fit if vname == "torchloom" else eager_fit
-            model = (_scheduled(name, cfg.size, cfg.seed, fit.ratio) if vname == "torchloom"
+            model = (_scheduled(name, cfg.size, cfg, fit.ratio) if vname == "torchloom"
                      else _make(name, cfg.size, cfg.seed)).to(device)
             call: Callable[..., Any] = model
             if vname == "compile":
@@ -426,9 +486,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
         # Warm-up: compile (timed), then one step per variant counting saved bytes.
         for v in variants:
             inputs = _inputs(name, v.model, v.batch, spec.seq_len, cfg.seed, device)
-            if v.name == "compile":
+            if v.name == "compile" or (v.name == "torchloom" and cfg.schedule_compile):
                 v.compile_s = _step(v, inputs, device)
-                log(f"{name}: compile (first step) {v.compile_s:.1f} s")
+                log(f"{name}: {v.name}: first step (compiles) {v.compile_s:.1f} s")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             saved, loss = _count(v.model, name, functools.partial(_loss, v.call, inputs, device),
@@ -494,6 +554,14 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
             if v.compile_s is not None:
                 row["compile_s"] = v.compile_s
                 row["compile_backend"] = cfg.compile_backend
+            if v.name == "torchloom":
+                row["schedule"] = {"ckpt_ratio": v.ratio,
+                                   "compile": cfg.compile_backend if cfg.schedule_compile
+                                   else False}
+                row["ckpt_sweep"] = [
+                    {"ckpt_ratio": f.ratio, "batch_size": f.batch, "tokens_per_s": tps}
+                    for f, tps in sweep]
+                row["ckpt_batches"] = {f"{f.ratio:g}": f.batch for f in fits}
             if v.cuda_peak is not None:
                 row["cuda_max_memory_allocated"] = v.cuda_peak
             results.append(row)

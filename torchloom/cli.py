@@ -465,12 +465,16 @@ def bench(
                                     help="Activation-memory budget in MiB (sets the batches)."),
     max_batch: int = typer.Option(16, min=1, help="Largest batch tried."),
     ckpt_ratio: float = typer.Option(None, min=0.0, max=1.0, help="The schedule's checkpoint "
-                                     "ratio; default: the least that doubles eager's batch."),
+                                     "ratio; default: measured (see --sweep-steps)."),
     device: str = typer.Option("cpu", help="cpu (fp32) or cuda (bf16 autocast)."),
     compile_backend: str = typer.Option("inductor", help="torch.compile backend."),
     threads: int = typer.Option(
         0, min=0, help="torch threads; 0: one per core that is not busy with other processes."),
     seed: int = typer.Option(0, help="Seed of the weights and the data."),
+    schedule_compile: bool = typer.Option(
+        True, help="The schedule compiles each transformer layer in place."),
+    sweep_steps: int = typer.Option(2, min=0, help="Timed steps per checkpoint-ratio "
+                                    "candidate (0: take the ratio that doubles the batch)."),
     json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: str = typer.Option(None, help="Write a PNG of the results here."),
 ) -> None:
@@ -487,7 +491,7 @@ def bench(
     cfg = BenchConfig(models=names, size=size, steps=steps,
                       budget_bytes=int(budget_mb * 2**20), max_batch=max_batch,
                       ckpt_ratio=ckpt_ratio, device=device, compile_backend=compile_backend,
-                      seed=seed)
+                      seed=seed, schedule_compile=schedule_compile, sweep_steps=sweep_steps)
     console.print(f"[bold]torchloom bench[/]: {', '.join(names)} ({size}) on {device}, "
                   f"{_plural(num_threads, 'thread')} ({why}); budget {budget_mb:g} MiB; "
                   f"{_plural(steps, 'timed round')}")

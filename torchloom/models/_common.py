@@ -14,11 +14,16 @@ and whose last module is row parallel (input features split, partial output):
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..errors import ScheduleError
 from ..schedule import Schedule
 
-__all__ = ["column", "row", "region", "sp_norms", "sp_final_norm", "SEQ_AXIS"]
+__all__ = ["column", "row", "region", "sp_norms", "sp_final_norm", "finish_layers",
+           "check_kernels", "SEQ_AXIS", "ATTENTION"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
+ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
 
 
 def _is_conv1d(node: Schedule) -> bool:
@@ -68,3 +73,43 @@ def sp_final_norm(node: Schedule) -> None:
     then computes the same head, so the gather's backward keeps this rank's slice."""
     sp_norms([node])
     node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
+
+
+def finish_layers(stack: Schedule, ckpt_ratio: float, compile: bool | str) -> None:
+    """The last two steps of every built-in schedule, on a stack of layers (a
+    ``ModuleList``): checkpoint the first ``ckpt_ratio`` of them, then compile each layer
+    in place (``compile=True``: inductor; a string: that backend). The compiled code sits
+    inside the checkpoint, so the recompute runs the compiled layer again."""
+    if ckpt_ratio:
+        stack.checkpoint(ratio=ckpt_ratio)
+    if compile is not False:
+        if not isinstance(compile, (bool, str)):
+            raise ScheduleError(
+                "compile must be True, False or a torch.compile backend name",
+                path=stack.path, primitive="models.apply_schedule",
+                values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
+        stack["*"].compile("inductor" if compile is True else compile)
+
+
+def check_kernels(sch: Schedule, model: str, *, tp: bool, attention: Any,
+                  fused: Any) -> None:
+    """Refuse kernel knobs a schedule cannot honour: an unknown attention kernel, or the
+    fused blocks under tensor parallelism (they compute the projections without calling
+    the projection modules, so the sync hooks on those modules would not run)."""
+    primitive = f"models.schedule_{model}"
+    if attention not in ATTENTION:
+        raise ScheduleError(
+            f"unknown attention kernel {attention!r}", path=sch.path, primitive=primitive,
+            values={"attention": attention, "choices": list(ATTENTION)},
+            fix="attention='sdpa' (torchloom.ops) or attention='model' (keep the model's)")
+    if not isinstance(fused, bool):
+        raise ScheduleError("fused must be True or False", path=sch.path,
+                            primitive=primitive, values={"fused": repr(fused)},
+                            fix="apply_schedule(sch, fused=True)")
+    if fused and tp:
+        raise ScheduleError(
+            "the fused blocks compute their projections without calling the projection "
+            "modules, so tensor parallelism's sync hooks on those modules would not run",
+            path=sch.path, primitive=primitive, values={"fused": True, "tp": True},
+            fix="apply_schedule(sch, tp=True, compile=True) fuses inside each layer and "
+            "keeps the hooks")

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+from ..ops.attention import make_sdpa_bert_self_attention
+from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, column, row, sp_norms
+from ._common import SEQ_AXIS, check_kernels, column, finish_layers, row, sp_norms
 
 __all__ = ["schedule_bert"]
 
 
 def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                  ckpt_ratio: float = 0.0) -> None:
-    """Megatron TP (and SP) over self-attention and the feed-forward block, then
-    checkpoint the first ``ckpt_ratio`` of the layers."""
+                  ckpt_ratio: float = 0.0, attention: str = "model", fused: bool = False,
+                  compile: bool | str = False) -> None:
+    """Kernels (``attention="sdpa"``: :class:`torchloom.ops.SDPABertSelfAttention`;
+    ``fused``: bias+GeLU and bias+dropout+residual+LayerNorm fused), Megatron TP (and SP)
+    over self-attention and the feed-forward block, checkpoint the first ``ckpt_ratio`` of
+    the layers, then compile each layer (``compile``)."""
     base = "bert.encoder" if "bert" in sch.child else "encoder"
     layers = sch[f"{base}.layer"]
+    check_kernels(sch, "bert", tp=tp, attention=attention, fused=fused)
+    if attention == "sdpa":
+        sch[f"{base}.layer.*.attention.self"].replace(make_sdpa_bert_self_attention)
+    if fused:
+        sch[f"{base}.layer.*.intermediate"].replace(make_fused_bert_intermediate)
+        sch[f"{base}.layer.*.output"].replace(make_fused_bert_output)
+        sch[f"{base}.layer.*.attention.output"].replace(make_fused_bert_output)
     if tp:
         for layer in sch[f"{base}.layer.*"]:
             # self-attention: q, k, v column parallel, the output dense row parallel; the
@@ -39,8 +51,7 @@ def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
             first, last = layers["0"], layers[str(len(layers.child) - 1)]
             first.sync("fwd_pre", "scatter", axis=SEQ_AXIS)
             last.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
-    if ckpt_ratio:
-        layers.checkpoint(ratio=ckpt_ratio)
+    finish_layers(layers, ckpt_ratio, compile)
 
 
 

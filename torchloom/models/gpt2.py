@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..ops.attention import make_sdpa_gpt2_attention
+from ..ops.fused import make_fused_gpt2_mlp
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
+from ._common import SEQ_AXIS, check_kernels, finish_layers, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 
@@ -18,10 +20,18 @@ def split_qkv_per_rank(old: nn.Module) -> nn.Module:
 
 
 def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                  ckpt_ratio: float = 0.0) -> None:
-    """Megatron TP (and SP) over attention and MLP, then checkpoint the first
-    ``ckpt_ratio`` of the blocks."""
+                  ckpt_ratio: float = 0.0, attention: str = "model", fused: bool = False,
+                  compile: bool | str = False) -> None:
+    """Kernels (``attention="sdpa"``: :class:`torchloom.ops.SDPAGPT2Attention`;
+    ``fused``: the MLP's bias+GeLU and bias+dropout fused), Megatron TP (and SP) over
+    attention and MLP, checkpoint the first ``ckpt_ratio`` of the blocks, then compile each
+    block (``compile``)."""
     base = "transformer." if "transformer" in sch.child else ""
+    check_kernels(sch, "gpt2", tp=tp, attention=attention, fused=fused)
+    if attention == "sdpa":
+        sch[f"{base}h.*.attn"].replace(make_sdpa_gpt2_attention)
+    if fused:
+        sch[f"{base}h.*.mlp"].replace(make_fused_gpt2_mlp)
     if tp:
         for block in sch[f"{base}h.*"]:
             region(block["attn"], ["c_attn"], "c_proj", sequence_parallel, chunks=3)
@@ -32,5 +42,4 @@ def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
         if sequence_parallel:
             sch[f"{base}drop"].sync("fwd_post", "scatter", axis=SEQ_AXIS)
             sp_final_norm(sch[f"{base}ln_f"])
-    if ckpt_ratio:
-        sch[f"{base}h"].checkpoint(ratio=ckpt_ratio)
+    finish_layers(sch[f"{base}h"], ckpt_ratio, compile)

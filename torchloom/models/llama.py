@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
+from ._common import SEQ_AXIS, finish_layers, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_llama"]
 
 
 def schedule_llama(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                   ckpt_ratio: float = 0.0) -> None:
+                   ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
     """Megatron TP (and SP) over attention (q/k/v -> o) and the gated MLP
     (gate/up -> down), then checkpoint the first ``ckpt_ratio`` of the layers."""
     base = "model." if "model" in sch.child else ""
@@ -26,5 +26,4 @@ def schedule_llama(sch: Schedule, *, tp: bool = False, sequence_parallel: bool =
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS,
                                         input_name="hidden_states")
             sp_final_norm(sch[f"{base}norm"])
-    if ckpt_ratio:
-        sch[f"{base}layers"].checkpoint(ratio=ckpt_ratio)
+    finish_layers(sch[f"{base}layers"], ckpt_ratio, compile)

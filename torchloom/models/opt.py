@@ -6,7 +6,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import column, region, row
+from ._common import column, finish_layers, region, row
 
 __all__ = ["heads_per_rank", "schedule_opt"]
 
@@ -20,7 +20,7 @@ def heads_per_rank(old: nn.Module) -> nn.Module:
 
 
 def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                 ckpt_ratio: float = 0.0) -> None:
+                 ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
     """Megatron TP over self-attention (q/k/v -> out_proj) and the MLP (fc1 -> fc2),
     then checkpoint the first ``ckpt_ratio`` of the decoder layers."""
     base = "model.decoder" if "model" in sch.child else "decoder"
@@ -43,5 +43,4 @@ def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
             layer["fc1"].sync("bwd_post", "all_reduce")
             row(layer["fc2"])
             layer["fc2"].sync("fwd_post", "all_reduce")
-    if ckpt_ratio:
-        sch[f"{base}.layers"].checkpoint(ratio=ckpt_ratio)
+    finish_layers(sch[f"{base}.layers"], ckpt_ratio, compile)

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import column, region, row
+from ._common import column, finish_layers, region, row
 
 __all__ = ["heads_per_rank", "schedule_t5"]
 
@@ -30,7 +30,7 @@ def _attention(attn: Schedule, input_name: str | None = None) -> None:
 
 
 def schedule_t5(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                ckpt_ratio: float = 0.0) -> None:
+                ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
     """Megatron TP over self-attention, cross-attention (q/k/v -> o) and the feed-forward
     block (wi or wi_0/wi_1 -> wo) of the encoder and decoder blocks, then checkpoint the
     first ``ckpt_ratio`` of each stack's blocks."""
@@ -62,6 +62,5 @@ def schedule_t5(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = Fa
                 ff = layers[str(len(layers.child) - 1)]["DenseReluDense"]
                 wi = ["wi_0", "wi_1"] if "wi_0" in ff.child else ["wi"]
                 region(ff, wi, "wo", False)
-    if ckpt_ratio:
-        for stack in stacks:
-            sch[f"{stack}.block"].checkpoint(ratio=ckpt_ratio)
+    for stack in stacks:
+        finish_layers(sch[f"{stack}.block"], ckpt_ratio, compile)

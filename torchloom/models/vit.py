@@ -5,13 +5,13 @@ from __future__ import annotations
 from .. import collectives as C
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, region, sp_final_norm, sp_norms
+from ._common import SEQ_AXIS, finish_layers, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_vit"]
 
 
 def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                 ckpt_ratio: float = 0.0) -> None:
+                 ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
     """Megatron TP (and SP) over attention (q/k/v -> o_proj) and the MLP (fc1 -> fc2),
     then checkpoint the first ``ckpt_ratio`` of the layers.
 
@@ -33,8 +33,7 @@ def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
         if sequence_parallel:
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS)
             sp_final_norm(sch[f"{base}layernorm"])
-    if ckpt_ratio:
-        sch[f"{base}layers"].checkpoint(ratio=ckpt_ratio)
+    finish_layers(sch[f"{base}layers"], ckpt_ratio, compile)
 
 
 def _check_sequence_split(sch: Schedule, base: str) -> None:

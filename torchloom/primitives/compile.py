@@ -84,14 +84,14 @@ class _CompiledForward(ForwardWrapper):
         self.options = options
         self._compiled: Callable[..., Any] | None = None
 
-    def _class_forward(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.module).forward(self.module, *args, **kwargs)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:
-            self._compiled = torch.compile(self._class_forward, backend=self.backend,
+            # The class's forward, with the module as its first argument: dynamo caches
+            # compiled code per code object, so every layer of one class shares it (and
+            # the recompile limit is per class, not shared by all compiled modules).
+            self._compiled = torch.compile(type(self.module).forward, backend=self.backend,
                                            **self.options)
-        return self._compiled(*args, **kwargs)
+        return self._compiled(self.module, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
