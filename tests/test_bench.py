@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from torchloom.bench import VARIANTS, BenchConfig, largest_batch, run_bench
+from torchloom.bench import VARIANTS, BenchConfig, _candidates, _Fit, _sweep, largest_batch, run_bench
 from torchloom.cli import app
 from torchloom.errors import ScheduleError
 
@@ -23,7 +23,7 @@ def test_bench_tiny_gpt2_json_and_plot(tmp_path):
         # aot_eager: torch.compile with AOT autograd but no inductor codegen (seconds).
         result = CliRunner().invoke(app, [
             "bench", "--models", "gpt2", "--size", "tiny", "--steps", "2", "--budget-mb", "2",
-            "--compile-backend", "aot_eager", "--threads", "1",
+            "--compile-backend", "aot_eager", "--threads", "1", "--no-schedule-compile",
             "--json", str(out), "--plot", str(png),
         ])
     finally:
@@ -49,6 +49,14 @@ def test_bench_tiny_gpt2_json_and_plot(tmp_path):
     for row in (by["eager"], by["torchloom"]):
         assert row["fits_budget"] and row["peak_activation_bytes"] <= 2 * 2**20
     assert by["compile"]["compile_s"] > 0
+    # Plain layers: the least ratio that doubles eager's batch (no sweep by default).
+    assert by["torchloom"]["schedule"] == {"ckpt_ratio": by["torchloom"]["ckpt_ratio"],
+                                           "compile": False}
+    assert "compile_s" not in by["torchloom"] and by["torchloom"]["ckpt_sweep"] == []
+    batches = by["torchloom"]["ckpt_batches"]
+    assert batches["0"] < by["torchloom"]["batch_size"] == batches[
+        f"{by['torchloom']['ckpt_ratio']:g}"]
+    assert list(batches.values()) == sorted(batches.values())  # more checkpointing, more batch
     assert by["eager"]["speedup_vs_eager"] == 1.0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -58,7 +66,8 @@ def test_fixed_ratio_same_batch_saves_less():
     torch.set_num_threads(1)
     try:
         rows = run_bench(BenchConfig(models=["bert"], size="tiny", steps=1, budget_bytes=2**20,
-                                     max_batch=2, ckpt_ratio=1.0, variants=("eager", "torchloom")))
+                                     max_batch=2, ckpt_ratio=1.0, variants=("eager", "torchloom"),
+                                     schedule_compile=False))
     finally:
         torch.set_num_threads(threads)
     eager, sched = rows
@@ -76,3 +85,53 @@ def test_bad_model_is_a_schedule_error():
 def test_largest_batch():
     assert largest_batch(lambda b: 10 * b, 35, 8) == 3
     assert largest_batch(lambda b: 10 * b, 1000, 8) == 8
+
+
+def _fit(ratio: float, batch: int) -> _Fit:
+    return _Fit(ratio, lambda b: float(b), batch)
+
+
+def test_candidates_are_no_checkpointing_and_the_least_doubling_ratio():
+    eager = _fit(0.0, 2)
+    fits = [_fit(0.0, 3), _fit(0.25, 3), _fit(0.5, 4), _fit(0.75, 6), _fit(1.0, 9)]
+    cfg = BenchConfig()
+    assert [(f.ratio, f.batch) for f in _candidates(eager, fits, cfg)] == [(0.0, 3), (0.5, 4)]
+    # Nothing doubles eager's batch: the largest batch, with the least ratio that gets it.
+    fits = [_fit(0.0, 3), _fit(0.5, 3), _fit(1.0, 3)]
+    assert [(f.ratio, f.batch) for f in _candidates(_fit(0.0, 3), fits, cfg)] == [(0.0, 3)]
+    # A given ratio is the only candidate.
+    cfg = BenchConfig(ckpt_ratio=0.75)
+    fits = [_fit(0.0, 3), _fit(0.75, 6)]
+    assert [(f.ratio, f.batch) for f in _candidates(eager, fits, cfg)] == [(0.75, 6)]
+
+
+def test_sweep_times_every_candidate():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = BenchConfig(models=["gpt2"], size="tiny", schedule_compile=False, sweep_steps=1)
+        lines: list[str] = []
+        out = _sweep("gpt2", cfg, [_fit(0.0, 1), _fit(1.0, 2)], torch.device("cpu"),
+                     lines.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(f.ratio, f.batch) for f, _ in out] == [(0.0, 1), (1.0, 2)]
+    assert all(tps > 0 for _, tps in out)
+    assert lines[1].startswith("gpt2: schedule with ckpt ratio 1, batch 2: ")
+    assert _sweep("gpt2", BenchConfig(sweep_steps=0), [_fit(0.0, 1), _fit(1.0, 2)],
+                  torch.device("cpu"), lines.append) == []
+
+
+def test_compiled_layers_run_without_checkpoints_by_default():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = run_bench(BenchConfig(models=["gpt2"], size="tiny", steps=1,
+                                     budget_bytes=2 * 2**20, compile_backend="aot_eager",
+                                     variants=("eager", "torchloom")))
+    finally:
+        torch.set_num_threads(threads)
+    sched = rows[1]
+    assert sched["schedule"] == {"ckpt_ratio": 0.0, "compile": "aot_eager"}
+    assert sched["compile_s"] > 0 and sched["fits_budget"]
+    assert sched["batch_size"] == sched["ckpt_batches"]["0"]

@@ -14,12 +14,15 @@ The point is the paper's: under a fixed budget for activation memory, the schedu
 larger batch (compiled layers save fewer activations, checkpointed ones only their
 inputs). The batch of each variant is the largest (up to ``max_batch``) whose peak
 saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
-schedule gets its own. The checkpoint ratio (``ckpt_ratio=None``) is tuned by measuring:
-two candidates, no checkpointing and the smallest ``k / layers`` whose batch is at least
-twice eager's, each run for ``sweep_steps`` steps at its batch; the one with more tokens/s
-is the schedule (the sweep is in the results, ``ckpt_sweep``). Recomputing costs a
-third of a layer's work, so it wins where a larger batch runs faster (GPUs), and loses
-where it does not (these CPUs).
+schedule gets its own; the batch every checkpoint ratio ``k / layers`` would get is in the
+results (``ckpt_batches``). The schedule's ratio (``ckpt_ratio=None``): with
+``sweep_steps > 0`` two candidates, no checkpointing and the smallest ratio whose batch is
+at least twice eager's, each run for ``sweep_steps`` steps at its batch, and the one with
+more tokens/s wins (the sweep is in the results, ``ckpt_sweep``); with ``sweep_steps=0``
+(the default, to keep the run short) no checkpointing when the layers are compiled, else
+the doubling ratio. Recomputing costs about a third of a layer's work, so it pays where a
+larger batch runs faster (GPUs) and not where the matmuls are already saturated at the
+smaller batch (these CPUs).
 
 Activation bytes are exact: a :func:`torch.autograd.graph.saved_tensors_hooks` pack hook
 (:func:`torchloom.tune.memory.count_saved`) adds up the distinct storages autograd saves,
@@ -27,8 +30,9 @@ parameters excluded, plus the inputs a checkpointed layer keeps for its recomput
 ``saved_activation_bytes`` is what the forward leaves for backward; ``peak_activation_bytes``
 also covers the backward, where recomputing checkpointed layer ``j`` saves that layer's
 activations again on top of what was saved before it (later layers are freed by then).
-Both grow affinely with the batch, so the fit uses exact counts at batch 1 and 2; the
-reported values are counted on the warm-up step at the batch that was run.
+Both grow affinely with the batch, so the fit uses exact counts at batch 2 and 3 (compiled
+code is compiled afresh for each, with static shapes, as in the timed run); the reported
+values are counted on the warm-up step at the batch that was run.
 
 MFU is ``model FLOPs per step / (median step time x peak FLOP/s)``. Model FLOPs are
 counted by :class:`torch.utils.flop_counter.FlopCounterMode` on one forward and backward of
@@ -130,8 +134,8 @@ class BenchConfig:
         schedule_compile: the schedule also compiles each transformer layer in place
             (``apply_schedule(..., compile=compile_backend)``).
         sweep_steps: timed steps per candidate when the checkpoint ratio is chosen by
-            measuring (``ckpt_ratio=None``); 0 takes the least ratio that doubles eager's
-            batch without measuring.
+            measuring (``ckpt_ratio=None``); 0 does not measure: no checkpointing with
+            compiled layers, else the least ratio that doubles eager's batch.
     """
 
     models: Sequence[str] = ("gpt2", "bert")
@@ -145,7 +149,7 @@ class BenchConfig:
     seed: int = 0
     variants: Sequence[str] = VARIANTS
     schedule_compile: bool = True
-    sweep_steps: int = 2
+    sweep_steps: int = 0
 
 
 def largest_batch(bytes_at: Callable[[int], float], budget: float, max_batch: int) -> int:
@@ -304,8 +308,13 @@ def _loss(model: Callable[..., Any], inputs: dict[str, torch.Tensor],
         return model(**inputs).loss
 
 
-def _affine(at1: float, at2: float) -> Callable[[int], float]:
-    return lambda b: at1 + (at2 - at1) * (b - 1)
+_FIT_BATCHES = (2, 3)  # not 1: compiled code specialises size-1 dimensions
+
+
+def _affine(at_a: float, at_b: float) -> Callable[[int], float]:
+    """The affine function of the batch through the counts at :data:`_FIT_BATCHES`."""
+    a, b = _FIT_BATCHES
+    return lambda n: at_a + (at_b - at_a) * (n - a) / (b - a)
 
 
 @dataclass
@@ -319,7 +328,7 @@ class _Fit:
 
 def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
         _Fit, list[_Fit], Callable[[int], float]]:
-    """Exact counts at batch 1 and 2 of the eager model and of the schedule at each ratio
+    """Exact counts at batch 2 and 3 of the eager model and of the schedule at each ratio
     ``k / layers``; returns eager's fit, the schedule's fits (ratio 0 first) and the bytes
     one layer of the schedule saves when it is not checkpointed, as a function of the
     batch (what recomputing a checkpointed layer saves again)."""
@@ -332,7 +341,8 @@ def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
         model = (_make(name, size, cfg.seed) if ratio is None
                  else _scheduled(name, size, cfg, ratio)).to(device)
         counts[ratio] = []
-        for batch in (1, 2):
+        for batch in _FIT_BATCHES:
+            _reset_compiled()  # static shapes at each batch, as in the timed run
             inputs = _inputs(name, model, batch, seq_len, cfg.seed, device)
             saved, loss = _count(model, name, functools.partial(_loss, model, inputs, device))
             del loss
@@ -467,7 +477,10 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
             f"{eager_fit.batch}; schedule " + ", ".join(
                 f"ckpt ratio {f.ratio:g}: {f.batch}" for f in fits))
         sweep = _sweep(name, cfg, candidates, device, log)
-        tl_fit = max(sweep, key=lambda c: c[1])[0] if sweep else candidates[-1]
+        if sweep:
+            tl_fit = max(sweep, key=lambda c: c[1])[0]
+        else:  # compiled layers alone buy batch; plain layers need the checkpoints
+            tl_fit = candidates[0] if cfg.schedule_compile else candidates[-1]
         flops_per_seq = _model_flops(name, cfg.size, cfg, device)
 
         variants: list[_Variant] = []
@@ -501,7 +514,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
                 v.cuda_peak = torch.cuda.max_memory_allocated(device)
             v.saved = saved
             # Recomputing a checkpointed layer saves what one unscheduled layer saves at
-            # this batch (counted exactly at batch 1 and 2; affine in the batch).
+            # this batch (counted exactly at batch 2 and 3; affine in the batch).
             v.peak_bytes = saved.peak(layer_at(v.batch))
 
         # Timed rounds: one step per variant, order rotating each round.

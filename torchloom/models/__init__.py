@@ -6,7 +6,12 @@ Each schedule is a short function of primitives with the same knobs:
   world of one the primitives are recorded and change nothing);
 * ``sequence_parallel``: split the activations between the parallel regions along the
   sequence axis (needs ``tp``);
-* ``ckpt_ratio``: checkpoint the first ``int(ckpt_ratio * layers)`` transformer layers.
+* ``ckpt_ratio``: checkpoint the first ``int(ckpt_ratio * layers)`` transformer layers;
+* ``compile``: compile every transformer layer in place (the ``compile`` primitive; True
+  for inductor, or a backend name), inside the checkpoints and around the TP hooks;
+* GPT-2 and BERT also choose kernels: ``attention="sdpa"`` (torchloom.ops' SDPA modules,
+  ``"model"`` keeps the model's) and ``fused=True`` (bias+GeLU and
+  bias+dropout(+residual+LayerNorm) fused; not with ``tp``, see the error).
 
 >>> import torchloom as tl
 >>> from torchloom import models, zoo
