@@ -78,6 +78,13 @@ def tp_llama(sch: tl.Schedule, sp: bool) -> None:
     schedule_llama(sch, tp=True, sequence_parallel=sp)
 
 
+def tp_gpt2_compiled(sch: tl.Schedule, sp: bool) -> None:
+    """Each block compiled around its TP hooks (aot_eager: dynamo capture and AOT
+    autograd, as with inductor, without the codegen): the same logits, gradients and
+    collective counts as the eager TP schedule."""
+    schedule_gpt2(sch, tp=True, sequence_parallel=sp, compile="aot_eager")
+
+
 # Collectives per step. Megatron TP: per layer, one all-reduce after each row-parallel
 # linear in forward, one on the input gradient of each column-parallel block in backward.
 # SP: per layer, forward all-gathers before attention and MLP and reduce-scatters after
@@ -94,6 +101,7 @@ def expected_counts(sp: bool, sp_params: int) -> tuple[dict, dict]:
 
 CASES: list[tuple[str, Callable[[], nn.Module], Callable[[tl.Schedule, bool], None], bool, int]] = [
     ("gpt2", gpt2, tp_gpt2, False, 0),
+    ("gpt2-compiled", gpt2, tp_gpt2_compiled, False, 0),
     ("bert", bert, tp_bert, False, 0),
     ("llama", llama, tp_llama, False, 0),
     # GPT-2: ln_1, ln_2 (weight + bias) and both c_proj biases per layer, ln_f's two.
