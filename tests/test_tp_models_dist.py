@@ -78,6 +78,15 @@ def tp_llama(sch: tl.Schedule, sp: bool) -> None:
     schedule_llama(sch, tp=True, sequence_parallel=sp)
 
 
+def tp_gpt2_sdpa(sch: tl.Schedule, sp: bool) -> None:
+    """torchloom.ops' SDPA attention in place of GPT-2's, then the same TP/SP schedule."""
+    schedule_gpt2(sch, tp=True, sequence_parallel=sp, attention="sdpa")
+
+
+def tp_bert_sdpa(sch: tl.Schedule, sp: bool) -> None:
+    schedule_bert(sch, tp=True, sequence_parallel=sp, attention="sdpa")
+
+
 def tp_gpt2_compiled(sch: tl.Schedule, sp: bool) -> None:
     """Each block compiled around its TP hooks (aot_eager: dynamo capture and AOT
     autograd, as with inductor, without the codegen): the same logits, gradients and
@@ -102,6 +111,10 @@ def expected_counts(sp: bool, sp_params: int) -> tuple[dict, dict]:
 CASES: list[tuple[str, Callable[[], nn.Module], Callable[[tl.Schedule, bool], None], bool, int]] = [
     ("gpt2", gpt2, tp_gpt2, False, 0),
     ("gpt2-compiled", gpt2, tp_gpt2_compiled, False, 0),
+    ("gpt2-sdpa", gpt2, tp_gpt2_sdpa, False, 0),
+    ("bert-sdpa", bert, tp_bert_sdpa, False, 0),
+    ("gpt2-sdpa-sp", gpt2, tp_gpt2_sdpa, True, 6 * LAYERS + 2),
+    ("bert-sdpa-sp", bert, tp_bert_sdpa, True, 6 * LAYERS),
     ("bert", bert, tp_bert, False, 0),
     ("llama", llama, tp_llama, False, 0),
     # GPT-2: ln_1, ln_2 (weight + bias) and both c_proj biases per layer, ln_f's two.
