@@ -89,4 +89,10 @@ def apply_schedule(sch: Schedule, **knobs: Any) -> None:
             path=sch.path, primitive="models.apply_schedule", values=knobs,
             fix="apply_schedule(sch, tp=True, sequence_parallel=True)",
         )
+    compile = knobs.get("compile", False)
+    if not isinstance(compile, (bool, str)):  # checked before any primitive is applied
+        raise ScheduleError(
+            "compile must be True, False or a torch.compile backend name",
+            path=sch.path, primitive="models.apply_schedule",
+            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
     schedule_for(sch.mod)(sch, **knobs)

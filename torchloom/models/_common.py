@@ -80,14 +80,14 @@ def finish_layers(stack: Schedule, ckpt_ratio: float, compile: bool | str) -> No
     ``ModuleList``): checkpoint the first ``ckpt_ratio`` of them, then compile each layer
     in place (``compile=True``: inductor; a string: that backend). The compiled code sits
     inside the checkpoint, so the recompute runs the compiled layer again."""
+    if not isinstance(compile, (bool, str)):
+        raise ScheduleError(
+            "compile must be True, False or a torch.compile backend name",
+            path=stack.path, primitive="models.apply_schedule",
+            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
     if ckpt_ratio:
         stack.checkpoint(ratio=ckpt_ratio)
     if compile is not False:
-        if not isinstance(compile, (bool, str)):
-            raise ScheduleError(
-                "compile must be True, False or a torch.compile backend name",
-                path=stack.path, primitive="models.apply_schedule",
-                values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
         stack["*"].compile("inductor" if compile is True else compile)
 
 
