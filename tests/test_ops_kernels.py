@@ -294,8 +294,13 @@ def test_errors_are_pinned() -> None:
     sch = tl.create_schedule(model)
     with pytest.raises(ReplaceError, match="replaces a transformers GPT2Attention") as err:
         sch["transformer.h.0.mlp"].replace(make_sdpa_gpt2_attention)
-    with pytest.raises(ReplaceError, match="BertSelfAttention"):
+    assert err.value.fix == ("apply it to the GPT2Attention modules, e.g. "
+                             "sch['transformer.h.0.attn'].replace(make_sdpa_gpt2_attention)")
+    with pytest.raises(ReplaceError, match="BertSelfAttention") as err:
         sch["transformer.h.0.attn"].replace(make_sdpa_bert_self_attention)
+    assert err.value.fix == (
+        "apply it to the BertSelfAttention modules, e.g. "
+        "sch['bert.encoder.layer.0.attention.self'].replace(make_sdpa_bert_self_attention)")
     with pytest.raises(ReplaceError, match="BertSelfOutput"):
         sch["transformer.h.0.mlp"].replace(make_fused_bert_output)
     mlp = model.transformer.h[0].mlp

@@ -513,8 +513,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
             if device.type == "cuda":
                 v.cuda_peak = torch.cuda.max_memory_allocated(device)
             v.saved = saved
-            # Recomputing a checkpointed layer saves what one unscheduled layer saves at
-            # this batch (counted exactly at batch 2 and 3; affine in the batch).
+            # Recomputing a checkpointed layer saves what one layer of the schedule saves
+            # when not checkpointed, at this batch (counted exactly at batch 2 and 3;
+            # affine in the batch).
             v.peak_bytes = saved.peak(layer_at(v.batch))
 
         # Timed rounds: one step per variant, order rotating each round.

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
+from ._common import check_compile
 from .bert import schedule_bert
 from .gpt2 import schedule_gpt2
 from .llama import schedule_llama
@@ -89,10 +90,5 @@ def apply_schedule(sch: Schedule, **knobs: Any) -> None:
             path=sch.path, primitive="models.apply_schedule", values=knobs,
             fix="apply_schedule(sch, tp=True, sequence_parallel=True)",
         )
-    compile = knobs.get("compile", False)
-    if not isinstance(compile, (bool, str)):  # checked before any primitive is applied
-        raise ScheduleError(
-            "compile must be True, False or a torch.compile backend name",
-            path=sch.path, primitive="models.apply_schedule",
-            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
+    check_compile(knobs.get("compile", False), sch.path)  # before any primitive is applied
     schedule_for(sch.mod)(sch, **knobs)

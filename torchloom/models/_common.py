@@ -20,7 +20,7 @@ from ..errors import ScheduleError
 from ..schedule import Schedule
 
 __all__ = ["column", "row", "region", "sp_norms", "sp_final_norm", "finish_layers",
-           "check_kernels", "SEQ_AXIS", "ATTENTION"]
+           "check_compile", "check_kernels", "SEQ_AXIS", "ATTENTION"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
@@ -80,15 +80,20 @@ def finish_layers(stack: Schedule, ckpt_ratio: float, compile: bool | str) -> No
     ``ModuleList``): checkpoint the first ``ckpt_ratio`` of them, then compile each layer
     in place (``compile=True``: inductor; a string: that backend). The compiled code sits
     inside the checkpoint, so the recompute runs the compiled layer again."""
-    if not isinstance(compile, (bool, str)):
-        raise ScheduleError(
-            "compile must be True, False or a torch.compile backend name",
-            path=stack.path, primitive="models.apply_schedule",
-            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
+    check_compile(compile, stack.path)
     if ckpt_ratio:
         stack.checkpoint(ratio=ckpt_ratio)
     if compile is not False:
         stack["*"].compile("inductor" if compile is True else compile)
+
+
+def check_compile(compile: Any, path: str) -> None:
+    """Refuse a ``compile`` knob that is neither a bool nor a backend name."""
+    if not isinstance(compile, (bool, str)):
+        raise ScheduleError(
+            "compile must be True, False or a torch.compile backend name",
+            path=path, primitive="models.apply_schedule",
+            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
 
 
 def check_kernels(sch: Schedule, model: str, *, tp: bool, attention: Any,

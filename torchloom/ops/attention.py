@@ -311,6 +311,13 @@ class SDPABertSelfAttention(nn.Module):
         self.query = query
         self.key = key
         self.value = value
+        self._set_attention(dropout, num_attention_heads, attention_head_size, scaling,
+                            is_causal, layer_idx)
+
+    def _set_attention(self, dropout: nn.Dropout, num_attention_heads: int,
+                       attention_head_size: int, scaling: float, is_causal: bool,
+                       layer_idx: int | None) -> None:
+        """The attributes every BERT-style SDPA attention holds besides its projections."""
         self.dropout = dropout
         self.num_attention_heads = num_attention_heads
         self.attention_head_size = attention_head_size
@@ -361,7 +368,8 @@ class SDPABertSelfAttention(nn.Module):
                 f"attention_head_size={self.attention_head_size}, is_causal={self.is_causal}")
 
 
-def _require(old: nn.Module, attrs: tuple[str, ...], factory: str, expected: str) -> None:
+def _require(old: nn.Module, attrs: tuple[str, ...], factory: str, expected: str,
+             example: str) -> None:
     missing = [a for a in attrs if not hasattr(old, a)]
     if missing:
         raise ReplaceError(
@@ -369,11 +377,7 @@ def _require(old: nn.Module, attrs: tuple[str, ...], factory: str, expected: str
             f"(it has no {', '.join(missing)})",
             primitive="replace",
             values={"module": type(old).__name__, "missing": missing},
-            fix=f"apply it to the {expected} modules, e.g. "
-            "sch['transformer.h.0.attn'].replace(make_sdpa_gpt2_attention)"
-            if "GPT2" in expected else
-            f"apply it to the {expected} modules, e.g. "
-            "sch['bert.encoder.layer.0.attention.self'].replace(make_sdpa_bert_self_attention)",
+            fix=f"apply it to the {expected} modules, e.g. sch[{example!r}].replace({factory})",
         )
 
 
@@ -386,7 +390,7 @@ def make_sdpa_gpt2_attention(old: nn.Module) -> SDPAGPT2Attention:
     """
     _require(old, ("c_attn", "c_proj", "attn_dropout", "resid_dropout", "num_heads",
                    "head_dim", "split_size", "scaling"), "make_sdpa_gpt2_attention",
-             "GPT2Attention")
+             "GPT2Attention", "transformer.h.0.attn")
     if getattr(old, "is_cross_attention", False):
         raise ReplaceError(
             "make_sdpa_gpt2_attention replaces self-attention; this is a cross-attention",
@@ -411,7 +415,7 @@ def make_sdpa_bert_self_attention(old: nn.Module) -> SDPABertSelfAttention:
     """
     _require(old, ("query", "key", "value", "dropout", "num_attention_heads",
                    "attention_head_size"), "make_sdpa_bert_self_attention",
-             "BertSelfAttention")
+             "BertSelfAttention", "bert.encoder.layer.0.attention.self")
     if "Cross" in type(old).__name__:
         raise ReplaceError(
             "make_sdpa_bert_self_attention replaces self-attention; this is a "

@@ -83,13 +83,8 @@ class FusedQKVBertSelfAttention(SDPABertSelfAttention):
             )
         nn.Module.__init__(self)
         self.qkv = qkv
-        self.dropout = dropout
-        self.num_attention_heads = num_attention_heads
-        self.attention_head_size = attention_head_size
-        self.all_head_size = num_attention_heads * attention_head_size
-        self.scaling = scaling
-        self.is_causal = is_causal
-        self.layer_idx = layer_idx
+        self._set_attention(dropout, num_attention_heads, attention_head_size, scaling,
+                            is_causal, layer_idx)
         self.register_state_dict_post_hook(_split_state_dict)
         self.register_load_state_dict_pre_hook(_merge_state_dict)
 
