@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,5 +113,19 @@ def _check_megatron_mlp(rank: int) -> None:
     torch.testing.assert_close(model[2].bias.grad, reference[2].bias.grad, rtol=1e-6, atol=1e-6)
 
 
+def _check_uneven_split_is_a_schedule_error(rank: int) -> None:
+    from torchloom.errors import CollectiveShapeError
+
+    x = torch.ones(2, 3)
+    with pytest.raises(CollectiveShapeError, match=r"^scatter\(\.\.\.\): cannot split axis 1 of "
+                       r"size 3 into 2 equal slices, one per rank\n    values: shape=\(2, 3\), "
+                       r"axis=1, world_size=2\n    fix: make axis 1 a multiple of 2"):
+        C.scatter(x, axis=1)
+    with C.collective_site("h.0.attn"), pytest.raises(ValueError, match=r"^sch\['h\.0\.attn'\]"
+                                                      r"\.sync\(\.\.\.\): cannot split axis -1"):
+        C.reduce_scatter(x, axis=-1)  # still a ValueError, for callers that catch one
+
+
 def test_collectives_and_tensor_parallel_mlp_on_two_ranks():
-    spawn(_check_collectives, _check_reshards, _check_megatron_mlp)
+    spawn(_check_collectives, _check_reshards, _check_megatron_mlp,
+          _check_uneven_split_is_a_schedule_error)

@@ -162,3 +162,36 @@ class CompileError(ScheduleError):
 
 
 __all__ += ["TraceError", "TraceGuardError", "PatternError", "FuseError", "CompileError"]
+
+
+class ScheduleMismatchError(ScheduleError):
+    """The ranks of a schedule's process group scheduled differently (another recipe, or
+    other local parameter shapes); raised by ``build`` and ``Verify`` on every rank."""
+
+
+__all__ += ["ScheduleMismatchError"]
+
+
+class CollectiveTimeoutError(ScheduleError):
+    """A collective failed or timed out: another rank died, hung, or skipped it. Names the
+    rank, the collective and (for the collectives of ``sync``) the schedule path in flight."""
+
+
+class CollectiveShapeError(ScheduleError, ValueError):
+    """A collective cannot split a tensor into equal slices, one per rank of the group."""
+
+
+class RankFailedError(ScheduleError):
+    """A rank of a local launch (:func:`torchloom.launch.run_ranks`) raised, died or hung;
+    the message shows that rank's own error first, then what the other ranks reported."""
+
+
+__all__ += ["CollectiveTimeoutError", "CollectiveShapeError", "RankFailedError"]
+
+
+class PretrainedError(ScheduleError):
+    """``save_pretrained`` cannot write the Hugging Face folder as asked (a path it must
+    not replace, a model without weights, a tensor it cannot gather, a failed write)."""
+
+
+__all__ += ["PretrainedError"]
