@@ -6,6 +6,8 @@
 * a checkpoint saved at TP=2 with AdamW state after two steps loads back at TP=2 (local
   shards and optimizer state exact), at TP=1 in a separate single process, and at TP=4
   (exact against the gathered full tensors);
+* two ranks refuse a directory of user files alike, and both name a damaged file of
+  rank 1's (the checksums are split over the ranks) and fall back to the previous step;
 * a rank that exits without joining a collective makes the other fail within the timeout
   with a :class:`~torchloom.state.CollectiveTimeoutError`.
 """
@@ -117,8 +119,62 @@ def _tp2_worker(rank: int, port: int, root: str) -> None:
         assert other.lm_head.weight is other.transformer.wte.weight
         # training resumes identically
         assert torch.equal(_train(model, opt, 1), _train(other, other_opt, 1))
+        _trust_checks(rank, model, opt, root)
     finally:
         dist.destroy_process_group()
+
+
+def _trust_checks(rank: int, model: nn.Module, opt: torch.optim.Optimizer, root: str) -> None:
+    """On two ranks: a refusal and a damaged file are seen alike by both ranks (rank 0
+    decides, the checksums are split over the ranks and gathered)."""
+    import warnings
+
+    foreign = os.path.join(root, "foreign")
+    if rank == 0:
+        os.makedirs(foreign)
+        with open(os.path.join(foreign, "notes.txt"), "w") as f:
+            f.write("mine")
+    dist.barrier()
+    try:
+        S.save(model, opt, foreign, step=3)
+        raise AssertionError("saved into a directory of user files")
+    except S.CheckpointIOError as exc:
+        assert str(exc).startswith("save(...): the directory holds files torchloom did not "
+                                   "write"), str(exc)
+    assert os.listdir(foreign) == ["notes.txt"]
+
+    run = os.path.join(root, "trust")
+    S.save(model, opt, run, step=3)
+    state3 = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1)
+    S.save(model, opt, run, step=4)
+    shards = sorted(f for f in os.listdir(os.path.join(run, "step-4")) if f.endswith(".distcp"))
+    assert len(shards) == 2, shards  # one file per rank
+    dist.barrier()
+    if rank == 0:  # damage rank 1's file: rank 1 or rank 0 checks it, both must know
+        with open(os.path.join(run, "step-4", shards[1]), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    other = _scheduled_gpt2(seed=7)
+    other_opt = _adamw(other)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert S.load(other, other_opt, run) == 3
+    said = [str(w.message) for w in caught if "is damaged" in str(w.message)]
+    assert len(said) == (1 if rank == 0 else 0), said  # rank 0 tells
+    if rank == 0:
+        assert f"file {shards[1]!r} does not match the SHA-256 checksum" in said[0], said
+    for key, tensor in other.state_dict().items():
+        assert torch.equal(tensor, state3[key]), key
+    try:
+        S.load(other, other_opt, run, step=4)
+        raise AssertionError("loaded a damaged checkpoint")
+    except S.CheckpointIOError as exc:
+        assert str(exc).startswith(f"load(...): checkpoint 'step-4' (step 4) is damaged: file "
+                                   f"{shards[1]!r} does not match"), str(exc)
 
 
 def _tp4_worker(rank: int, port: int, root: str) -> None:
@@ -170,7 +226,8 @@ def test_tp2_full_state_dict_and_checkpoint_round_trip_at_tp2_and_tp1(tp2_checkp
             p.zero_()
     opt = _adamw(model, lr=0.5)
     path = os.path.join(tp2_checkpoint, "ckpt")
-    stored = torch.distributed.checkpoint.FileSystemReader(path).read_metadata()
+    stored = torch.distributed.checkpoint.FileSystemReader(
+        os.path.join(path, "step-2")).read_metadata()
     c_attn = stored.state_dict_metadata["model.transformer.h.0.attn.c_attn.weight"]
     assert tuple(c_attn.size) == (32, 96)  # full shape, written as 2 ranks x 3 q/k/v pieces
     assert sorted(tuple(c.offsets) for c in c_attn.chunks) == [(0, 16 * i) for i in range(6)]

@@ -275,12 +275,6 @@ def list_primitives_command() -> None:
     Console().print(table)
 
 
-def _failures(results: list[Any]) -> list[dict[str, Any]]:
-    """The failed ranks' results, the one that raised before the ranks that died after."""
-    failed = [r for r in results if isinstance(r, dict) and "error" in r]
-    return sorted(failed, key=lambda r: r.get("type") == "RankDied")
-
-
 def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One rank of ``torchloom train``; rank 0 prints a line per step (the loss in full
     precision, so runs can be compared bit for bit)."""
@@ -309,39 +303,57 @@ def train(
     sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (with --tp > 1)."),
     ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
                                      help="Checkpoint this fraction of the layers."),
-    save_dir: str = typer.Option(None, help="Checkpoint directory (torchloom.save)."),
+    save_dir: str = typer.Option(None, help="Save directory: an empty or new directory, or "
+                                 "one torchloom made (torchloom.save keeps the 2 newest "
+                                 "checkpoints in it)."),
     save_every: int = typer.Option(0, min=0, help="Save every N steps (0: at the end)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete "
+                                "checkpoint of --save-dir (its run configuration must match)."),
+    allow_config_change: bool = typer.Option(
+        False, "--allow-config-change",
+        help="With --resume: continue although the checkpoint's run configuration differs."),
     stop_after: int = typer.Option(None, min=1, help="Stop (and save) after this step; the "
                                    "learning-rate schedule stays that of --steps."),
     threads: int = typer.Option(0, min=0, help="torch threads per rank; 0: cores / ranks."),
+    timeout: float = typer.Option(120.0, min=1.0, help="Seconds a collective waits for the "
+                                  "other ranks; a rank that hangs, raises or dies ends the "
+                                  "run soon after."),
 ) -> None:
     """Train a zoo model under its built-in schedule; resumable bit for bit."""
-    from .launch import init_group, run_ranks, under_torchrun
-    from .train import TrainConfig
+    from .launch import init_group, raise_first_failure, run_ranks, under_torchrun
+    from .train import TrainConfig, check_config
 
-    config = TrainConfig(model=model, size=size, steps=steps, batch_size=batch_size,
-                         seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp, pp=pp,
-                         sequence_parallel=sp, ckpt_ratio=ckpt_ratio, save_dir=save_dir,
-                         save_every=save_every, resume=resume, stop_after=stop_after).to_dict()
+    cfg = TrainConfig(model=model, size=size, steps=steps, batch_size=batch_size,
+                      seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp, pp=pp,
+                      sequence_parallel=sp, ckpt_ratio=ckpt_ratio, save_dir=save_dir,
+                      save_every=save_every, resume=resume,
+                      allow_config_change=allow_config_change, stop_after=stop_after)
+    check_config(cfg)  # before any rank starts: model, sequence length, save directory
+    config = cfg.to_dict()
     world = tp * dp * pp
     if threads:
         torch.set_num_threads(threads)
     elif world == 1 or under_torchrun():
         torch.set_num_threads(max(1, _available_cores() // max(1, world)))
     if under_torchrun():
-        init_group()
+        init_group(timeout)
         results = [train_rank_cli(torch.distributed.get_rank(), config)]
     else:
-        results = run_ranks(train_rank_cli, world, config)
-    failed = _failures(results)
-    if failed:
-        # A ScheduleError's text is already the full message; anything else is a bug.
-        Console().print(escape(failed[0]["error"] if failed[0]["schedule_error"]
-                               else failed[0]["traceback"]))
-        raise typer.Exit(code=EXIT_SCHEDULE_ERROR if failed[0]["schedule_error"] else 1)
+        results = run_ranks(train_rank_cli, world, config, timeout_s=timeout)
+    # the failing rank's own error first (a ScheduleError's message in full); exit 2
+    raise_first_failure(results, command="torchloom train")
     result = results[0]
     if under_torchrun() and torch.distributed.get_rank() != 0:
+        return
+    if "resumed_step" in result:
+        done = result["resumed_step"]
+        if result["complete"]:
+            print(f"the run in {save_dir} is already complete: its newest checkpoint is of "
+                  f"step {done} of --steps {steps}; nothing to train (to train further, "
+                  "raise --steps and add --allow-config-change)", flush=True)
+        else:
+            print(f"the run in {save_dir} is already at step {done}, past --stop-after "
+                  f"{stop_after}; nothing to train", flush=True)
         return
     if result["losses"]:
         print(f"trained steps {result['first_step']}..{result['first_step'] + len(result['losses']) - 1}: loss {result['losses'][0]:.4f} -> "
@@ -351,7 +363,8 @@ def train(
 @app.command()
 @_clean_errors
 def tune(
-    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    model: str = typer.Argument(..., help="A zoo model that takes tokens: " + ", ".join(
+        m for m in zoo.list_models() if zoo._ZOO[m].kind != "image") + "."),  # noqa: SLF001
     budget_gb: float = typer.Option(..., min=0.0, help="Memory per rank in GiB (0.05 = 51 MiB)."),
     strategy: str = typer.Option("binary", help="binary, exhaustive or optuna."),
     db: str = typer.Option("torchloom-tune.db", help="SQLite results file (resumes)."),
@@ -373,6 +386,8 @@ def tune(
         raise ScheduleError("batch sizes must be integers separated by commas",
                             primitive="torchloom tune", values={"batch_sizes": batch_sizes},
                             fix="--batch-sizes 4,8,16") from None
+    # tune_command checks the values (positive sizes, a text model, writable outputs)
+    # before any trial, prints the error and returns 2.
     code = tune_command(model, budget_gb, strategy, db, plot or None, size=size,
                         batch_sizes=sizes, seq_len=seq_len, trials=trials, steps=steps,
                         seed=seed, threads=threads or None)
@@ -419,10 +434,13 @@ def verify(
     ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
                                      help="Checkpoint this fraction of the layers."),
     seed: int = typer.Option(0, help="Seed of the model's weights and the inputs."),
+    timeout: float = typer.Option(120.0, min=1.0, help="Seconds a collective waits for the "
+                                  "other ranks; a rank that hangs, raises or dies ends the "
+                                  "run within this plus 15 s."),
 ) -> None:
     """Verify a model's built-in schedule against the unscheduled model (forward outputs,
     input gradients and parameter gradients), on TP local ranks."""
-    from .launch import run_ranks
+    from .launch import raise_first_failure, run_ranks
 
     console = Console()
     if sp and tp < 2:
@@ -431,11 +449,9 @@ def verify(
                             fix=f"torchloom verify {model} --tp 2 --sp")
     console.print(f"verifying the built-in schedule of [bold]{model}[/] (tiny) on {tp} "
                   f"rank{'s' if tp > 1 else ''}{' with sequence parallelism' if sp else ''}...")
-    results = run_ranks(verify_rank, tp, model, tp, sp, ckpt_ratio, seed)
-    failed = _failures(results)
-    if failed:
-        console.print(failed[0].get("traceback", failed[0]["error"]))
-        raise typer.Exit(code=1)
+    results = run_ranks(verify_rank, tp, model, tp, sp, ckpt_ratio, seed, timeout_s=timeout)
+    # The failing rank's own error first (not its peers' "connection closed"); exit 2.
+    raise_first_failure(results, command="torchloom verify")
     table = Table(title=f"torchloom verify {model} --tp {tp}{' --sp' if sp else ''}")
     table.add_column("rank")
     for phase in ("forward output", "input gradient", "parameter gradient"):

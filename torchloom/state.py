@@ -31,25 +31,44 @@ Design of the checkpoint (why ShardedTensor, and what it costs):
     sharded parameter has the parameter's shard layout; scalar state (AdamW ``step``) is
     replicated.
 
-    Non-tensor data (the training step, optimizer hyperparameters, non-tensor optimizer
-    state) goes in ``torchloom.pt``, written by rank 0 after DCP finished: its presence
-    marks a complete checkpoint.
+    Non-tensor data (the step, optimizer hyperparameters, non-tensor optimizer state, the
+    run configuration and the SHA-256 of every file) goes in the JSON marker
+    ``torchloom.json``, written by rank 0 after DCP finished: its presence marks a
+    complete checkpoint.
 
-Atomicity: :func:`save` writes into ``path + ".tmp-<id>"`` and renames it to ``path``
-only after every rank finished writing (a barrier). A crash leaves the previous
-checkpoint at ``path`` untouched and a ``.tmp-<id>`` directory behind (safe to delete);
-:func:`load` rejects a directory without the marker. All ranks must see the same file
-system (one machine, or a shared file system).
+Layout of a save directory (format 2)::
+
+    run/torchloom-checkpoints.json   marks the directory as torchloom's; points at the newest
+    run/step-6/                      a checkpoint: .metadata, __<rank>_<i>.distcp, torchloom.json
+    run/step-8/                      (the ``keep`` newest are kept, default 2)
+
+Atomicity: :func:`save` writes into ``run/.tmp-step-N-<id>``, writes the marker last,
+renames the folder to ``step-N`` and then replaces the pointer (temporary file, fsync,
+``os.replace``). A crash at any point leaves the previous checkpoints loadable, and
+:func:`load` (:func:`find_checkpoint`) takes the newest complete one, wherever the crash
+left it; the next successful save removes what the crash left. A save never writes into a
+directory holding anything else (:func:`check_save_dir`). All ranks must see the same file
+system (one machine, or a shared file system); one writer per directory at a time.
+
+Trust: every file's SHA-256 is checked before anything is read from it, so damage (a
+flipped byte, a truncated file) is found and named. DCP's ``.metadata`` is a pickle: it is
+read after its checksum matched, with an unpickler limited to DCP's metadata types, and
+DCP reads tensors with ``torch.load(weights_only=True)``. Checksums do not stop forgery:
+loading a checkpoint from an untrusted source is running its code as far as those
+unpicklers allow; load only checkpoints you or your jobs wrote.
 
 >>> import torch, tempfile, os
 >>> model = torch.nn.Linear(4, 2)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 >>> model(torch.ones(1, 4)).sum().backward(); opt.step()
 >>> d = tempfile.mkdtemp()
->>> save(model, opt, os.path.join(d, "ckpt"), step=7)
+>>> os.path.basename(save(model, opt, os.path.join(d, "run"), step=7))
+'step-7'
+>>> sorted(os.listdir(os.path.join(d, "run")))
+['step-7', 'torchloom-checkpoints.json']
 >>> fresh = torch.nn.Linear(4, 2)
 >>> fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
->>> load(fresh, fresh_opt, os.path.join(d, "ckpt"))
+>>> load(fresh, fresh_opt, os.path.join(d, "run"))
 7
 >>> torch.equal(fresh.weight, model.weight), fresh_opt.param_groups[0]["lr"]
 (True, 0.1)
@@ -59,13 +78,19 @@ system (one machine, or a shared file system).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import hashlib
+import json
 import os
+import pickle
+import re
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,19 +101,26 @@ from .errors import ScheduleError
 from .meta import ShardSpec, shard_spec
 
 __all__ = [
+    "Checkpoint",
     "CheckpointIOError",
     "CheckpointMismatchError",
     "CollectiveTimeoutError",
+    "check_save_dir",
+    "describe_dir",
+    "find_checkpoint",
     "full_optimizer_state_dict",
     "full_state_dict",
     "guard_collective",
     "init_distributed",
+    "list_checkpoints",
     "load",
+    "load_checkpoint",
     "save",
 ]
 
-MARKER = "torchloom.pt"
-FORMAT = 1
+FORMAT = 2
+"""The checkpoint format this torchloom writes and reads (1: one pickled marker per
+directory, before checksums; not read any more)."""
 _MODEL = "model."
 _OPTIM = "optim."
 
@@ -101,25 +133,12 @@ class CheckpointMismatchError(ScheduleError):
     """A checkpoint does not fit this model / optimizer / world size."""
 
 
-class CollectiveTimeoutError(ScheduleError):
-    """A collective failed or timed out: another rank died, hung, or skipped it."""
-
-
 # --------------------------------------------------------------------------- process groups
 
-def _group_timeout(group: Any) -> float | None:
-    """The timeout of ``group`` in seconds, if the backend tells it."""
-    try:
-        pg = group if group is not None else dist.group.WORLD
-        for device in ("cpu", "cuda"):
-            try:
-                backend = pg._get_backend(torch.device(device))
-            except RuntimeError:
-                continue
-            return backend.options._timeout.total_seconds()
-    except (AttributeError, RuntimeError, TypeError):  # private API; say less then
-        return None
-    return None
+# CollectiveTimeoutError lives in torchloom.errors and guard_collective in
+# torchloom.collectives (the sync hooks' collectives use it too); both stay importable here.
+from .collectives import guard_collective  # noqa: E402
+from .errors import CollectiveTimeoutError  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -181,37 +200,6 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 60.0, *,
     return dist.get_rank(), dist.get_world_size()
 
 
-@contextlib.contextmanager
-def guard_collective(name: str, primitive: str, group: Any = None) -> Iterator[None]:
-    """Turn a failed or timed-out collective inside the block into a
-    :class:`CollectiveTimeoutError` naming the collective, the timeout and the fix.
-
-    >>> with guard_collective("all_gather", "full_state_dict"):
-    ...     pass
-    """
-    start = time.monotonic()
-    try:
-        yield
-    except ScheduleError:
-        raise
-    except RuntimeError as exc:  # gloo/NCCL report a dead or late peer as RuntimeError
-        if not (dist.is_available() and dist.is_initialized()):
-            raise
-        waited = time.monotonic() - start
-        timeout_s = _group_timeout(group)
-        timeout = f"{timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
-        raise CollectiveTimeoutError(
-            f"collective {name} failed after {waited:.1f} s (timeout {timeout}): another "
-            "rank died, hung, or did not call it",
-            primitive=primitive,
-            values={"collective": name, "timeout_s": timeout_s, "rank": dist.get_rank(),
-                    "waited_s": round(waited, 1), "error": str(exc).splitlines()[0][:300]},
-            fix=f"call {primitive}(...) on every rank of the group, in the same order; look "
-            "for an error in the other ranks' logs; start the group with "
-            "torchloom.state.init_distributed(timeout_s=...) to fail faster",
-        ) from exc
-
-
 # --------------------------------------------------------------------------- full state dict
 
 
@@ -228,10 +216,10 @@ def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
             f"{primitive}(model, ..., group=sch.group)",
         )
     full = spec.full_shape[spec.axis]
-    if full % (spec.world_size * spec.chunks) != 0:
+    if full % (spec.pieces * spec.chunks) != 0:
         raise CheckpointMismatchError(
             f"axis {spec.axis} of {key!r} (size {full}) does not split into {spec.chunks} "
-            f"block(s) of {spec.world_size} equal pieces",
+            f"block(s) of {spec.pieces} equal pieces",
             primitive=primitive,
             values={"key": key, "full_shape": spec.full_shape, "axis": spec.axis,
                     "chunks": spec.chunks, "world_size": spec.world_size},
@@ -273,6 +261,10 @@ def full_state_dict(model: nn.Module, group: Any = None) -> dict[str, torch.Tens
     >>> list(sd), tuple(sd["0.weight"].shape)
     (['0.weight', '0.bias'], (6, 4))
     """
+    from .pipeline import PipelineModel
+
+    if isinstance(model, PipelineModel):  # gathered over the pipeline ranks too
+        return model.full_state_dict(group)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
@@ -342,11 +334,13 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _pieces(spec: ShardSpec) -> list[tuple[int, int, int]]:
-    """(rank, block, offset along the axis) of every piece of the full tensor."""
+    """(rank, block, offset along the axis) of every piece of the full tensor. A piece that
+    ``replicas`` ranks hold is listed once, under this rank if it holds it, else under the
+    first rank that does (DCP writes one copy of the chunks several ranks offer)."""
     block = spec.full_shape[spec.axis] // spec.chunks
-    piece = block // spec.world_size
-    return [(r, c, c * block + r * piece) for r in range(spec.world_size)
-            for c in range(spec.chunks)]
+    piece = block // spec.pieces
+    return [(spec.rank if p == spec.piece else p * spec.replicas, c, c * block + p * piece)
+            for p in range(spec.pieces) for c in range(spec.chunks)]
 
 
 def _sharded(local: torch.Tensor, spec: ShardSpec, group: Any) -> Any:
@@ -413,11 +407,522 @@ def _state_spec(p: torch.Tensor, value: Any) -> ShardSpec | None:
     return None
 
 
+# --------------------------------------------------------------------------- checkpoint files
+
+DIR_MARKER = "torchloom-checkpoints.json"
+"""The file that marks a save directory as torchloom's; it also points at the newest
+checkpoint (replaced atomically after each save)."""
+STEP_MARKER = "torchloom.json"
+"""The marker of one checkpoint (``step-N/torchloom.json``): step, optimizer layout, run
+configuration and the SHA-256 of every file; written last, so its presence marks a
+complete checkpoint."""
+_OLD_MARKER = "torchloom.pt"  # format 1: one checkpoint per directory, a pickled marker
+_KIND_DIR = "torchloom checkpoint directory"
+_KIND_STEP = "torchloom checkpoint"
+_MAX_JSON_BYTES = 256 * 2**20
+_STEP_RE = re.compile(r"step-(\d+)")
+_TMP_RE = re.compile(r"\.tmp-step-(\d+)-([0-9a-f]{12})")
+_OLD_RE = re.compile(r"\.old-step-(\d+)-([0-9a-f]{12})")
+_JSON_TMP_RE = re.compile(r"(?:torchloom-checkpoints|torchloom)\.json\.tmp-[0-9a-f]{12}")
+_DCP_FILE_RE = re.compile(r"\.metadata|__\d+_\d+\.distcp")
+_DCP_TMP_RE = re.compile(r"\.metadata\.tmp")
+
+
+def _save_fix(primitive: str) -> str:
+    if primitive == "save":
+        return "save into a new directory: torchloom.save(model, optimizer, 'checkpoints/run1', step)"
+    return "pass a new or empty directory: --save-dir runs/run1"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint of a save directory (see :func:`find_checkpoint`).
+
+    Attributes:
+        path: its directory (``<save dir>/step-N``, or a temporary name a save left behind
+            when it crashed after the checkpoint was complete).
+        step: the step it was saved at.
+        serial: its position in the save order of the directory (larger is newer).
+        config: the run configuration saved with it (``save(..., config=...)``), or None.
+        world_size: the size of the group that saved it.
+        verified: whether the checksums of its files were checked (by
+            :func:`find_checkpoint`; :func:`list_checkpoints` does not read the files).
+    """
+
+    path: str
+    step: int
+    serial: int
+    config: dict[str, Any] | None
+    world_size: int
+    verified: bool = False
+    marker: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's folder name, e.g. ``'step-8'``."""
+        return os.path.basename(self.path)
+
+
+class _NotData(Exception):
+    def __init__(self, where: str, value: Any) -> None:
+        super().__init__(where)
+        self.where, self.value = where, value
+
+
+def _to_json(value: Any, where: str) -> Any:
+    """``value`` as JSON data: tuples and small tensors are tagged, anything else that is
+    not plain data raises ``_NotData``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if (isinstance(value, dict) and all(isinstance(k, str) for k in value)
+            and "__tuple__" not in value and "__tensor__" not in value):
+        return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() <= 64 and not value.is_complex():
+        return {"__tensor__": value.detach().cpu().tolist(),
+                "dtype": str(value.dtype).removeprefix("torch.")}
+    raise _NotData(where, value)
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if set(value) == {"__tensor__", "dtype"}:
+            dtype = getattr(torch, str(value["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {value['dtype']!r}")
+            return torch.tensor(value["__tensor__"], dtype=dtype)
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # not every file system syncs directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(file: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``file``: a temporary beside it, flushed and fsynced, then
+    ``os.replace`` d over it (readers see the old or the new file, never a part)."""
+    tmp = f"{file}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(file) or ".")
+
+
+def _read_json(file: str) -> Any:
+    """Parse a JSON file we are about to trust nothing of (size-limited)."""
+    size = os.path.getsize(file)
+    if size > _MAX_JSON_BYTES:
+        raise ValueError(f"{size} bytes, more than a marker can be ({_MAX_JSON_BYTES})")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dir_marker(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The save directory's marker, or ``(None, problem)``."""
+    file = os.path.join(path, DIR_MARKER)
+    if not os.path.lexists(file):
+        return None, "no marker"
+    if os.path.islink(file) or not os.path.isfile(file):
+        return None, f"{DIR_MARKER!r} is not a regular file"
+    try:
+        marker = _read_json(file)
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{DIR_MARKER!r} is not readable JSON ({exc})"
+    if not isinstance(marker, dict) or marker.get("torchloom") != _KIND_DIR:
+        return None, f"{DIR_MARKER!r} is not a torchloom marker"
+    if marker.get("format") != FORMAT:
+        return None, (f"{DIR_MARKER!r} is of format {marker.get('format')!r}; this torchloom "
+                      f"writes format {FORMAT}")
+    if not _is_int(marker.get("serial")):
+        return None, f"{DIR_MARKER!r} has no serial number"
+    return marker, None
+
+
+def _marker_problem(marker: Any, name: str) -> str | None:
+    """What is wrong with a checkpoint marker read from a file (None if nothing)."""
+    if not isinstance(marker, dict) or marker.get("torchloom") != _KIND_STEP:
+        return "not a torchloom checkpoint marker"
+    if marker.get("format") != FORMAT:
+        return f"format {marker.get('format')!r}; this torchloom reads format {FORMAT}"
+    for key in ("step", "serial", "world_size"):
+        if not _is_int(marker.get(key)) or marker[key] < 0:
+            return f"{key} is not a non-negative integer"
+    expected = [_STEP_RE, _TMP_RE, _OLD_RE]
+    for pattern in expected:
+        match = pattern.fullmatch(name)
+        if match and int(match.group(1)) != marker["step"]:
+            return f"it records step {marker['step']}, its folder is named {name!r}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "it lists no files"
+    for file, entry in files.items():
+        if not isinstance(file, str) or not _DCP_FILE_RE.fullmatch(file):
+            return f"it lists a file that is not a checkpoint file: {str(file)[:80]!r}"
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
+                or not _is_int(entry.get("bytes"))):
+            return f"the checksum entry of {file!r} is malformed"
+    keys = marker.get("model_keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return "model_keys is not a list of names"
+    if not isinstance(marker.get("has_optimizer"), bool):
+        return "has_optimizer is not a boolean"
+    if not isinstance(marker.get("optimizer_class"), (str, type(None))):
+        return "optimizer_class is not a name"
+    groups = marker.get("param_groups")
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(isinstance(p, str) for p in g["params"]) for g in groups):
+        return "param_groups is malformed"
+    tensor_state = marker.get("tensor_state")
+    if not isinstance(tensor_state, dict) or not all(
+            isinstance(v, list) and all(isinstance(k, str) for k in v)
+            for v in tensor_state.values()):
+        return "tensor_state is malformed"
+    other = marker.get("other_state")
+    if not isinstance(other, dict) or not all(isinstance(v, dict) for v in other.values()):
+        return "other_state is malformed"
+    if not isinstance(marker.get("config"), (dict, type(None))):
+        return "config is not a mapping"
+    return None
+
+
+def _read_checkpoint(path: str) -> Checkpoint:
+    """The checkpoint in folder ``path`` from its marker (raises CheckpointIOError)."""
+    file = os.path.join(path, STEP_MARKER)
+    try:
+        if os.path.islink(file):
+            raise ValueError("it is a symbolic link")
+        marker = _read_json(file)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointIOError(
+            f"cannot read the marker {STEP_MARKER!r} of checkpoint {os.path.basename(path)!r}: "
+            f"{exc}", primitive="load", values={"path": path},
+            fix="the checkpoint is damaged; load an earlier one: load(model, optimizer, "
+            "save_dir, step=...)") from exc
+    problem = _marker_problem(marker, os.path.basename(path))
+    if problem is not None:
+        raise CheckpointIOError(
+            f"the marker {STEP_MARKER!r} of checkpoint {os.path.basename(path)!r} is not "
+            f"valid: {problem}", primitive="load", values={"path": path},
+            fix="write checkpoints with torchloom.save; load an earlier one")
+    return Checkpoint(path=path, step=marker["step"], serial=marker["serial"],
+                      config=marker.get("config"), world_size=marker["world_size"],
+                      marker=marker)
+
+
+def _ours_inside(path: str) -> bool:
+    """Whether a folder holds only files a save writes (so it may be deleted)."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    for entry in entries:
+        full = os.path.join(path, entry)
+        if os.path.islink(full) or not os.path.isfile(full):
+            return False
+        if not (_DCP_FILE_RE.fullmatch(entry) or _DCP_TMP_RE.fullmatch(entry)
+                or entry == STEP_MARKER or _JSON_TMP_RE.fullmatch(entry)):
+            return False
+    return True
+
+
+def _remove_ours(path: str) -> None:
+    """Delete a checkpoint folder this code wrote; anything else in it: leave and warn."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
+    if not _ours_inside(path):
+        warnings.warn(f"torchloom.save: left {path!r} in place: it holds files torchloom "
+                      "did not write", stacklevel=3)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _describe(path: str, limit: int = 10) -> list[str]:
+    """What a directory holds, for error messages: each entry with what torchloom makes
+    of it."""
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as exc:
+        return [f"(unreadable: {exc.strerror})"]
+    out = []
+    for entry in entries[:limit]:
+        full = os.path.join(path, entry)
+        note = ""
+        if os.path.islink(full):
+            note = " (symbolic link)"
+        elif entry == DIR_MARKER:
+            note = " (the torchloom marker)"
+        elif entry == _OLD_MARKER:
+            note = " (a checkpoint of torchloom format 1)"
+        elif _TMP_RE.fullmatch(entry):
+            complete = os.path.isfile(os.path.join(full, STEP_MARKER))
+            note = " (interrupted save, complete)" if complete else " (interrupted save)"
+        elif _OLD_RE.fullmatch(entry) or _STEP_RE.fullmatch(entry):
+            complete = os.path.isfile(os.path.join(full, STEP_MARKER))
+            note = "" if complete else " (no marker: incomplete or damaged)"
+        elif os.path.isdir(full):
+            note = "/"
+        out.append(entry + note)
+    if len(entries) > limit:
+        out.append(f"... {len(entries) - limit} more")
+    return out or ["(empty)"]
+
+
+def _scan(path: str) -> tuple[list[Checkpoint], list[str]]:
+    """The complete checkpoints of a save directory, newest first, and the problems of the
+    folders that should have been checkpoints (damaged markers)."""
+    found: list[Checkpoint] = []
+    problems: list[str] = []
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        kind = ("step" if _STEP_RE.fullmatch(entry) else "tmp" if _TMP_RE.fullmatch(entry)
+                else "old" if _OLD_RE.fullmatch(entry) else None)
+        if kind is None or os.path.islink(full) or not os.path.isdir(full):
+            continue
+        if not os.path.lexists(os.path.join(full, STEP_MARKER)):
+            if kind != "tmp":  # a temporary without a marker is an interrupted save
+                problems.append(f"{entry}: no marker {STEP_MARKER!r}")
+            continue
+        try:
+            found.append(_read_checkpoint(full))
+        except CheckpointIOError as exc:
+            problems.append(f"{entry}: {exc.problem}")
+    found.sort(key=lambda c: (c.serial, c.name.startswith("step-")), reverse=True)
+    return found, problems
+
+
+def list_checkpoints(path: str | os.PathLike) -> list[Checkpoint]:
+    """The complete checkpoints in save directory ``path``, newest first (by save order),
+    read from their markers only (no checksum is checked: :func:`find_checkpoint` does).
+    An empty list when ``path`` does not exist or holds none; a single checkpoint folder
+    (``<dir>/step-N``) gives itself.
+
+    >>> import torch, tempfile, os
+    >>> d = os.path.join(tempfile.mkdtemp(), "run")
+    >>> m = torch.nn.Linear(2, 2)
+    >>> for step in (1, 2, 3):
+    ...     _ = save(m, None, d, step)
+    >>> [(c.name, c.step) for c in list_checkpoints(d)]   # keep=2: the two newest
+    [('step-3', 3), ('step-2', 2)]
+    >>> shutil.rmtree(os.path.dirname(d))
+    """
+    path = os.path.normpath(os.fspath(path))
+    if not os.path.isdir(path):
+        return []
+    if os.path.lexists(os.path.join(path, STEP_MARKER)):
+        try:
+            return [_read_checkpoint(path)]
+        except CheckpointIOError:
+            return []
+    return _scan(path)[0]
+
+
+def describe_dir(path: str | os.PathLike) -> list[str]:
+    """What a directory holds, as torchloom sees it (for messages): its first entries, each
+    noted as a complete checkpoint, an interrupted save, torchloom's marker, ...
+
+    >>> describe_dir("/nonexistent-dir")
+    ['(missing)']
+    """
+    path = os.fspath(path)
+    if not os.path.lexists(path):
+        return ["(missing)"]
+    if not os.path.isdir(path):
+        return ["(a file, not a directory)"]
+    return _describe(path)
+
+
 # --------------------------------------------------------------------------- save
 
 
+def _refusal(path: str, primitive: str) -> CheckpointIOError | None:
+    """Why ``save`` must not write into ``path`` (None if it may)."""
+    values: dict[str, Any] = {"path": path}
+    save_fix = _save_fix(primitive)
+    if path in (".", "..") or os.path.basename(path) in (".", ".."):
+        return CheckpointIOError(
+            "refusing to save into the current directory (or its parent): a save directory "
+            "holds only checkpoints", primitive=primitive, values=values, fix=save_fix)
+    real = os.path.realpath(path)
+    cwd = os.path.realpath(os.getcwd())
+    if real == cwd or cwd.startswith(real.rstrip(os.sep) + os.sep) or real == os.sep:
+        return CheckpointIOError(
+            "refusing to save into the current directory or one above it: a save directory "
+            "holds only checkpoints", primitive=primitive,
+            values={**values, "resolves_to": real}, fix=save_fix)
+    if os.path.islink(path):
+        return CheckpointIOError(
+            "the save directory is a symbolic link; torchloom writes only into a real "
+            "directory it can check", primitive=primitive,
+            values={**values, "link_to": os.readlink(path)},
+            fix=f"pass the directory itself: --save-dir {real}" if primitive != "save" else
+            f"pass the directory itself: save(model, optimizer, {real!r}, step)")
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return CheckpointIOError(
+            "the save path is a file, not a directory; torchloom does not replace it",
+            primitive=primitive, values=values, fix=save_fix)
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as exc:
+        return CheckpointIOError(
+            f"cannot list the save directory: {exc.strerror}", primitive=primitive,
+            values=values, fix="fix its permissions, or " + save_fix)
+    if all(_JSON_TMP_RE.fullmatch(e) for e in entries):
+        return None  # empty, or a claim that crashed before its marker was in place
+    marker, problem = _dir_marker(path)
+    if marker is not None:
+        return None
+    if _OLD_MARKER in entries:
+        return CheckpointIOError(
+            f"the directory holds a checkpoint of torchloom's format 1 ({_OLD_MARKER!r}); "
+            f"this torchloom writes format {FORMAT} and does not replace it",
+            primitive=primitive, values={**values, "contents": _describe(path, 6)},
+            fix=save_fix + "; or delete the old checkpoint: shutil.rmtree(path)")
+    if DIR_MARKER in entries:
+        return CheckpointIOError(
+            f"the directory's marker is not one torchloom wrote: {problem}",
+            primitive=primitive, values={**values, "contents": _describe(path, 6)},
+            fix=save_fix)
+    return CheckpointIOError(
+        "the directory holds files torchloom did not write; a save writes only into an "
+        "empty directory or one torchloom made", primitive=primitive,
+        values={**values, "contents": _describe(path, 6)}, fix=save_fix)
+
+
+def check_save_dir(path: str | os.PathLike, primitive: str = "save") -> None:
+    """Raise :class:`CheckpointIOError` if :func:`save` would refuse ``path``; reads only.
+
+    A save directory is missing (it will be made), empty, or one torchloom made (it holds
+    ``torchloom-checkpoints.json``). A directory of other files, a regular file, a symbolic
+    link, ``.`` or the current directory is refused: a save never deletes or replaces
+    anything it did not write.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> check_save_dir(os.path.join(d, "run"))            # missing: fine
+    >>> open(os.path.join(d, "notes.txt"), "w").close()
+    >>> check_save_dir(d)
+    Traceback (most recent call last):
+    ...
+    torchloom.state.CheckpointIOError: save(...): the directory holds files torchloom did not write; ...
+    >>> shutil.rmtree(d)
+    """
+    error = _refusal(os.path.normpath(os.fspath(path)), primitive)
+    if error is not None:
+        raise error
+
+
+def _claim(path: str, step: int) -> None:
+    """Make ``path`` a save directory (rank 0), or raise if it is not one we may use (or
+    if its ``step-N`` folder, which this save replaces, is not a checkpoint of ours)."""
+    error = _refusal(path, "save")
+    if error is not None:
+        raise error
+    final = os.path.join(path, f"step-{step}")
+    if os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)
+                                   or not _ours_inside(final)):
+        raise CheckpointIOError(
+            f"'step-{step}' in the save directory is not a torchloom checkpoint (it holds "
+            "other files); the save of that step would replace it",
+            primitive="save", values={"path": path, "contents": _describe(final, 6)},
+            fix=f"move it out of the way, or {_save_fix('save')}")
+    if not os.path.lexists(path):
+        try:
+            os.makedirs(path)
+        except OSError as exc:
+            raise CheckpointIOError(
+                f"cannot create the save directory: {exc.strerror}", primitive="save",
+                values={"path": path}, fix="fix the parent's permissions, or " + _save_fix("save")
+            ) from exc
+    if _dir_marker(path)[0] is None:
+        for entry in os.listdir(path):  # a crashed claim's temporary
+            if _JSON_TMP_RE.fullmatch(entry):
+                os.remove(os.path.join(path, entry))
+        _write_json_atomic(os.path.join(path, DIR_MARKER), {
+            "torchloom": _KIND_DIR, "format": FORMAT, "latest": None, "step": None,
+            "serial": 0})
+
+
+def _share(value: Any, group: Any, primitive: str) -> Any:
+    """``value`` of the group's rank 0, on every rank."""
+    if _size(group) == 1:
+        return value
+    box = [value]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with guard_collective("broadcast_object_list", primitive, group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _gather_all(value: Any, group: Any, primitive: str) -> list[Any]:
+    if _size(group) == 1:
+        return [value]
+    out: list[Any] = [None] * _size(group)
+    with guard_collective("all_gather_object", primitive, group):
+        dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _on_rank0(fn: Callable[[], Any], group: Any, primitive: str) -> Any:
+    """Run ``fn`` on the group's rank 0 and give every rank its result; an exception there
+    is raised on every rank (the same CheckpointIOError, or one naming it)."""
+    if _size(group) == 1:
+        return fn()
+    result: Any = None
+    error: Exception | None = None
+    if _rank(group) == 0:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised
+            error = exc
+    shared = _share((result, error if isinstance(error, ScheduleError) else
+                     None if error is None else f"{type(error).__name__}: {error}"),
+                    group, primitive)
+    if error is not None:
+        raise error
+    result, remote = shared
+    if isinstance(remote, ScheduleError):
+        raise remote
+    if remote is not None:
+        raise CheckpointIOError(f"rank 0 of the group failed: {remote}", primitive=primitive,
+                                values={"rank": _rank(group)},
+                                fix="see rank 0's error; fix its cause and run again")
+    return result
+
+
 @contextlib.contextmanager
-def _dcp_errors(primitive: str, path: str, tmp: str | None) -> Iterator[None]:
+def _dcp_errors(primitive: str, path: str, partial: bool) -> Iterator[None]:
     """DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException);
     turn it into a :class:`CheckpointIOError` naming the ranks and the first cause."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -430,10 +935,9 @@ def _dcp_errors(primitive: str, path: str, tmp: str | None) -> Iterator[None]:
         cause = first[0] if isinstance(first, tuple) else first
         values: dict[str, Any] = {"path": path, "failed_ranks": sorted(failures),
                                   "error": f"{type(cause).__name__}: {cause}"[:300]}
-        if tmp is not None:
-            values["partial"] = tmp
-            fix = (f"fix the cause and save again; the previous checkpoint at {path!r} (if "
-                   f"any) is intact; delete the partial directory: shutil.rmtree({tmp!r})")
+        if partial:
+            fix = ("fix the cause (disk space, permissions) and save again; the partial files "
+                   "were removed and the previous checkpoints in the directory are intact")
         else:
             fix = "check the files of the checkpoint (permissions, truncation); load an earlier one"
         raise CheckpointIOError(
@@ -441,46 +945,119 @@ def _dcp_errors(primitive: str, path: str, tmp: str | None) -> Iterator[None]:
             primitive=primitive, values=values, fix=fix) from cause
 
 
-def _write_marker(directory: str, marker: dict[str, Any]) -> None:
-    tmp = os.path.join(directory, MARKER + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, MARKER))
-
-
-def _broadcast_id(group: Any) -> str:
-    token = [uuid.uuid4().hex[:12]]
-    if _size(group) > 1:
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        with guard_collective("broadcast_object_list", "save", group):
-            dist.broadcast_object_list(token, src=src, group=group)
-    return token[0]
-
-
-def _barrier(group: Any, primitive: str) -> None:
-    if _size(group) > 1:
-        with guard_collective("barrier", primitive, group):
-            dist.barrier(group=group)
-
-
-def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
-         step: int, *, group: Any = None) -> None:
-    """Write a checkpoint of ``model`` (and ``optimizer``, if given) and ``step`` to the
-    directory ``path``, atomically, with full-shape logical tensors.
-
-    A collective: every rank of ``group`` (the tensor-parallel group the model was
-    scheduled with) calls it with the same ``path``. An existing checkpoint at ``path`` is
-    replaced only after the new one is complete.
-    """
+def _write_dcp(state: dict[str, Any], tmp: str, path: str, group: Any) -> None:
+    """Every rank writes its pieces into the temporary folder ``tmp`` (DCP)."""
     import torch.distributed.checkpoint as dcp
 
-    path = os.path.normpath(os.fspath(path))
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise CheckpointIOError(
-            f"step must be an int, not {step!r}", primitive="save",
-            values={"step": step}, fix="save(model, optimizer, path, step=int(step))")
+    with _dcp_errors("save", path, True), \
+            guard_collective("torch.distributed.checkpoint.save", "save", group), _quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
+                 no_dist=not dist.is_initialized())
+
+
+def _sha256(file: str) -> tuple[str, int]:
+    with open(file, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return digest, os.fstat(f.fileno()).st_size
+
+
+def _checksums(tmp: str, group: Any) -> dict[str, dict[str, Any]]:
+    """SHA-256 and size of every file DCP wrote, the files split over the ranks."""
+    names = sorted(e for e in os.listdir(tmp) if _DCP_FILE_RE.fullmatch(e))
+    mine = {}
+    for name in names[_rank(group)::_size(group)]:
+        digest, size = _sha256(os.path.join(tmp, name))
+        mine[name] = {"sha256": digest, "bytes": size}
+    out: dict[str, dict[str, Any]] = {}
+    for part in _gather_all(mine, group, "save"):
+        out.update(part)
+    return dict(sorted(out.items()))
+
+
+def _next_serial(path: str) -> int:
+    marker, _ = _dir_marker(path)
+    serials = [marker["serial"]] if marker else []
+    serials += [c.serial for c in _scan(path)[0]]
+    return max(serials, default=0) + 1
+
+
+def _write_step_marker(tmp: str, marker: dict[str, Any]) -> None:
+    _write_json_atomic(os.path.join(tmp, STEP_MARKER), marker)
+
+
+def _commit(path: str, tmp: str, step: int) -> str:
+    """Rename the complete temporary folder to ``step-N`` (a checkpoint of the same step
+    already there is renamed away first and removed by the cleanup)."""
+    final = os.path.join(path, f"step-{step}")
+    old = None
+    if os.path.lexists(final):
+        old = os.path.join(path, ".old" + os.path.basename(tmp)[len(".tmp"):])
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except Exception:
+        if old is not None:
+            os.rename(old, final)
+        raise
+    _fsync_dir(path)
+    return final
+
+
+def _write_pointer(path: str, checkpoint: str, marker: dict[str, Any]) -> None:
+    _write_json_atomic(os.path.join(path, DIR_MARKER), {
+        "torchloom": _KIND_DIR, "format": FORMAT, "latest": os.path.basename(checkpoint),
+        "step": marker["step"], "serial": marker["serial"]})
+
+
+def _cleanup(path: str, keep: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints (one per step); remove older ones,
+    temporaries of interrupted saves and stale marker temporaries. Only folders and files
+    named and filled as a save makes them are removed."""
+    found, _ = _scan(path)
+    kept: list[Checkpoint] = []
+    steps: set[int] = set()
+    for ckpt in found:  # newest first
+        if ckpt.step not in steps and len(kept) < keep:
+            kept.append(ckpt)
+            steps.add(ckpt.step)
+    names = {c.name for c in kept}
+    for ckpt in found:
+        if ckpt.name not in names:
+            _remove_ours(ckpt.path)
+    for ckpt in kept:  # a complete checkpoint a crash left under a temporary name
+        final = os.path.join(path, f"step-{ckpt.step}")
+        if ckpt.name != os.path.basename(final) and not os.path.lexists(final):
+            os.rename(ckpt.path, final)
+            names.add(os.path.basename(final))
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if entry in names:
+            continue
+        if (_TMP_RE.fullmatch(entry) or _OLD_RE.fullmatch(entry)) and os.path.isdir(full):
+            _remove_ours(full)
+        elif _JSON_TMP_RE.fullmatch(entry) and os.path.isfile(full) \
+                and not os.path.islink(full):
+            os.remove(full)
+
+
+def _finish(path: str, tmp: str, marker: dict[str, Any], keep: int) -> str:
+    """Rank 0, after every rank wrote its files: the marker (written last: the checkpoint
+    is complete from then on), the rename into place, the pointer, the cleanup."""
+    marker["serial"] = _next_serial(path)
+    _write_step_marker(tmp, marker)
+    final = _commit(path, tmp, marker["step"])
+    _write_pointer(path, final, marker)
+    try:
+        _cleanup(path, keep)
+    except OSError as exc:  # the checkpoint is saved; leftovers go next time
+        warnings.warn(f"torchloom.save: could not remove old files in {path!r}: {exc}",
+                      stacklevel=3)
+    return final
+
+
+def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What DCP writes (tensors) and what the marker holds (everything else)."""
     state: dict[str, Any] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         state[_MODEL + key] = _to_save(tensor, key, group, "save")
@@ -505,78 +1082,268 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                         tensor_state.setdefault(name, []).append(key)
                     else:
                         other_state.setdefault(name, {})[key] = value
+    try:
+        groups_json = _to_json(groups_md, "param_groups")
+        other_json = _to_json(other_state, "optimizer.state")
+    except _NotData as exc:
+        raise CheckpointIOError(
+            f"optimizer value {exc.where} is a {type(exc.value).__name__}, which a checkpoint "
+            "marker cannot hold (numbers, strings, booleans, None, lists, tuples, small "
+            "tensors)", primitive="save", values={"where": exc.where},
+            fix="keep optimizer hyperparameters plain numbers, e.g. lr=1e-3") from None
     marker = {
-        "format": FORMAT, "step": step, "world_size": _size(group),
+        "torchloom": _KIND_STEP, "format": FORMAT, "world_size": _size(group),
         "model_keys": list(model.state_dict().keys()), "has_optimizer": optimizer is not None,
         "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
-        "param_groups": groups_md, "tensor_state": tensor_state, "other_state": other_state,
+        "param_groups": groups_json, "tensor_state": tensor_state, "other_state": other_json,
     }
-    tmp = f"{path}.tmp-{_broadcast_id(group)}"
-    rank = _rank(group)
-    with _dcp_errors("save", path, tmp), \
-            guard_collective("torch.distributed.checkpoint.save", "save", group), _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
-                 no_dist=not dist.is_initialized())
-    if rank == 0:
-        _write_marker(tmp, marker)
-    _barrier(group, "save")
-    if rank == 0:
-        old = None
-        if os.path.lexists(path):
-            old = f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[1]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
-    _barrier(group, "save")
+    return state, marker
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
+         step: int, *, group: Any = None, keep: int = 2,
+         config: dict[str, Any] | None = None) -> str:
+    """Write a checkpoint of ``model`` (and ``optimizer``, if given) at ``step`` into the
+    save directory ``path``; returns the checkpoint's folder (``path/step-N``).
+
+    A collective: every rank of ``group`` (the tensor-parallel group the model was
+    scheduled with) calls it with the same arguments; all ranks must see one file system.
+
+    Preconditions: ``path`` is missing, empty, or a directory torchloom made; anything
+    else (other files, a regular file, a symbolic link, ``.``) raises
+    :class:`CheckpointIOError` before anything is written (see :func:`check_save_dir`).
+
+    Guarantees: the new checkpoint becomes visible (as ``step-N``, and in the pointer
+    ``torchloom-checkpoints.json``) only once complete; a crash at any point leaves the
+    previous checkpoints loadable, and :func:`load` finds the newest complete one. A save
+    that fails (a full disk) removes its partial files and raises. After a successful
+    save the directory holds the ``keep`` newest checkpoints (one per step: saving a step
+    again replaces it); older ones and the temporaries of interrupted saves, recognised
+    by name and content, are removed. ``config`` (JSON data: numbers, strings, lists,
+    dicts) is stored with the checkpoint (:attr:`Checkpoint.config`).
+
+    Cost: besides DCP's write, the files are read back once to record their SHA-256
+    (split over the ranks).
+    """
+    path = os.path.normpath(os.fspath(path))
+    if not _is_int(step) or step < 0:
+        raise CheckpointIOError(
+            f"step must be a non-negative int, not {step!r}", primitive="save",
+            values={"step": step}, fix="save(model, optimizer, path, step=int(step))")
+    if not _is_int(keep) or keep < 1:
+        raise CheckpointIOError(
+            f"keep must be a positive int, not {keep!r}", primitive="save",
+            values={"keep": keep}, fix="save(model, optimizer, path, step, keep=2)")
+    try:
+        config_json = None if config is None else _to_json(dict(config), "config")
+    except (_NotData, TypeError, ValueError) as exc:
+        where = exc.where if isinstance(exc, _NotData) else "config"
+        raise CheckpointIOError(
+            f"{where} is not JSON data", primitive="save", values={"where": where},
+            fix="pass config as a dict of numbers, strings, booleans, None, lists and dicts"
+        ) from None
+    state, marker = _collect(model, optimizer, group)
+    marker.update(step=step, config=config_json)
+    token = uuid.uuid4().hex[:12]
+
+    def claim() -> str:
+        _claim(path, step)
+        return token
+
+    token = _on_rank0(claim, group, "save")
+    tmp = os.path.join(path, f".tmp-step-{step}-{token}")
+    try:
+        _write_dcp(state, tmp, path, group)
+        marker["files"] = _checksums(tmp, group)
+        return _on_rank0(lambda: _finish(path, tmp, marker, keep), group, "save")
+    except Exception as exc:
+        if _rank(group) == 0 and os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)  # this save's partial files
+        if isinstance(exc, OSError):
+            raise CheckpointIOError(
+                f"writing the checkpoint of step {step} failed: {exc}", primitive="save",
+                values={"path": path, "step": step},
+                fix="fix the cause (disk space, permissions) and save again; the partial "
+                "files were removed and the previous checkpoints are intact") from exc
+        raise
 
 
 # --------------------------------------------------------------------------- load
 
 
-def _read_marker(path: str) -> dict[str, Any]:
-    fix_missing = ("pass the directory given to torchloom.state.save(model, optimizer, path, "
-                   "step)")
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """What DCP's ``.metadata`` pickle may name: DCP's metadata dataclasses, torch.Size,
+    dtypes, layouts and a path; nothing that can run code."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    objects: list[Any] = [
+        metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+        metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo,
+        torch.Size, type(pathlib.Path()),
+    ]
+    allowed = {(o.__module__, o.__qualname__): o for o in objects}
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :func:`_allowed_globals` (no import, no call of
+    anything else)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _allowed_globals().get((module, name))
+        if obj is None:
+            raise pickle.UnpicklingError(f"'{module}.{name}' is not a DCP metadata type")
+        return obj
+
+
+def _safe_reader(path: str) -> Any:
+    """DCP's FileSystemReader, reading ``.metadata`` with :class:`_MetadataUnpickler`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def _file_problem(folder: str, name: str, entry: dict[str, Any]) -> str | None:
+    file = os.path.join(folder, name)
+    if os.path.islink(file):
+        return f"file {name!r} is a symbolic link"
+    if not os.path.isfile(file):
+        return f"file {name!r} is missing"
+    digest, size = _sha256(file)
+    if size != entry["bytes"]:
+        return f"file {name!r} has {size} bytes, its marker records {entry['bytes']}"
+    if digest != entry["sha256"]:
+        return f"file {name!r} does not match the SHA-256 checksum its marker records"
+    return None
+
+
+def _verify(ckpt: Checkpoint, group: Any) -> str | None:
+    """Check the checksum of every file of ``ckpt`` (the files split over the ranks); the
+    first problem by file name, the same on every rank, or None."""
+    files = ckpt.marker["files"]
+    names = sorted(files)
+    mine = None
+    for name in names[_rank(group)::_size(group)]:
+        problem = _file_problem(ckpt.path, name, files[name])
+        if problem is not None:
+            mine = (name, problem)
+            break
+    found = [p for p in _gather_all(mine, group, "load") if p is not None]
+    return min(found)[1] if found else None
+
+
+def _candidates(path: str, step: int | None, primitive: str
+                ) -> tuple[list[Checkpoint], list[str]]:
+    """The complete checkpoints ``load`` may take from ``path``, newest first, and the
+    warnings to give (damaged folders, a pointer at a missing checkpoint)."""
+    missing_fix = "pass the directory given to torchloom.save(model, optimizer, path, step)"
+    if not os.path.lexists(path):
+        raise CheckpointIOError("no checkpoint at this path", primitive=primitive,
+                                values={"path": path}, fix=missing_fix)
     if not os.path.isdir(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        base = os.path.basename(path)
-        leftovers = sorted(p for p in (os.listdir(parent) if os.path.isdir(parent) else [])
-                           if p.startswith((base + ".tmp-", base + ".old-")))
-        values: dict[str, Any] = {"path": path}
-        fix = fix_missing
-        if leftovers:
-            values["interrupted_saves"] = leftovers
-            complete = [p for p in leftovers if os.path.isfile(os.path.join(parent, p, MARKER))]
-            if complete:  # a crash between save's two renames
-                fix = (f"a complete checkpoint was left at {complete[-1]!r} by an interrupted "
-                       f"save; move it into place: os.rename({os.path.join(parent, complete[-1])!r}"
-                       f", {path!r})")
+        raise CheckpointIOError("no checkpoint at this path: it is a file, not a directory",
+                                primitive=primitive, values={"path": path}, fix=missing_fix)
+    entries = os.listdir(path)
+    notes: list[str] = []
+    if STEP_MARKER in entries:  # a checkpoint folder itself
+        found = [_read_checkpoint(path)]
+    elif DIR_MARKER in entries or any(
+            _STEP_RE.fullmatch(e) or _TMP_RE.fullmatch(e) or _OLD_RE.fullmatch(e)
+            for e in entries):
+        found, problems = _scan(path)
+        notes += [f"skipped {p}" for p in problems]
+        pointer, _ = _dir_marker(path)
+        if (pointer and pointer.get("latest") and found and pointer["serial"] > found[0].serial
+                and not any(p.startswith(f"{pointer['latest']}:") for p in problems)):
+            notes.append(f"the pointer names {pointer['latest']!r} (step {pointer['step']}), "
+                         "which is missing or damaged")
+    elif _OLD_MARKER in entries:
         raise CheckpointIOError(
-            "no checkpoint at this path" + (" (only interrupted saves)" if leftovers else ""),
-            primitive="load", values=values, fix=fix)
-    marker_path = os.path.join(path, MARKER)
-    if not os.path.isfile(marker_path) or not os.path.isfile(os.path.join(path, ".metadata")):
+            f"a checkpoint of torchloom's format 1 ({_OLD_MARKER!r}); this torchloom reads "
+            f"format {FORMAT}", primitive=primitive, values={"path": path},
+            fix="load it with the torchloom version that wrote it and save it again with "
+            "this one into a new directory")
+    else:
         raise CheckpointIOError(
-            f"incomplete checkpoint: {MARKER!r} or '.metadata' is missing (a save was "
-            "interrupted before it finished)",
-            primitive="load",
-            values={"path": path, "files": sorted(os.listdir(path))[:8]},
-            fix="load the previous complete checkpoint (save renames a finished checkpoint "
-            "into place), and delete this directory: shutil.rmtree(path)")
-    try:
-        marker = torch.load(marker_path, weights_only=True)
-    except Exception as exc:  # any unreadable marker is the same problem
+            "no checkpoint at this path: the directory holds no torchloom checkpoint",
+            primitive=primitive, values={"path": path, "contents": _describe(path, 6)},
+            fix=missing_fix)
+    if step is not None:
+        steps = sorted({c.step for c in found})
+        found = [c for c in found if c.step == step]
+        if not found:
+            raise CheckpointIOError(
+                f"no complete checkpoint of step {step} in this directory",
+                primitive=primitive, values={"path": path, "steps": steps},
+                fix=f"pass one of the saved steps: load(model, optimizer, {path!r}, "
+                f"step={steps[-1] if steps else 0})")
+    if not found:
         raise CheckpointIOError(
-            f"cannot read {MARKER!r}: {exc}", primitive="load", values={"path": path},
-            fix="the checkpoint is damaged; load an earlier one") from exc
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+            "no complete checkpoint in this directory (only interrupted or damaged saves)",
+            primitive=primitive, values={"path": path, "contents": _describe(path, 6)},
+            fix="train from the start (the directory holds nothing loadable), or restore "
+            "the checkpoint from a copy")
+    return found, notes
+
+
+def find_checkpoint(path: str | os.PathLike, *, step: int | None = None, group: Any = None,
+                    primitive: str = "load") -> Checkpoint:
+    """The newest complete checkpoint in save directory ``path`` (or the one of ``step``)
+    whose files match their checksums; a collective over ``group`` (the checksums are
+    checked split over its ranks, one read of the checkpoint in all).
+
+    ``path`` may also be one checkpoint's folder (``<dir>/step-N``). A damaged newest
+    checkpoint (a file whose checksum differs, a file or marker missing) is skipped with
+    a warning naming it and the file, and the previous one is taken; when none is left,
+    :class:`CheckpointIOError` names the first damaged file. Raises it too when nothing
+    loadable is there (the message lists what the directory holds).
+    """
+    if step is not None and (not _is_int(step) or step < 0):
         raise CheckpointIOError(
-            f"{MARKER!r} is not a torchloom checkpoint marker of format {FORMAT}",
-            primitive="load",
-            values={"path": path,
-                    "format": marker.get("format") if isinstance(marker, dict) else None},
-            fix="write the checkpoint with torchloom.state.save")
-    return marker
+            f"step must be a non-negative int, not {step!r}", primitive=primitive,
+            values={"step": step}, fix=f"{primitive}(model, optimizer, path, step=8)")
+    path = os.path.normpath(os.fspath(path))
+    found, notes = _on_rank0(lambda: _candidates(path, step, primitive), group, primitive)
+    damaged: list[tuple[Checkpoint, str]] = []
+    for ckpt in found:
+        problem = _verify(ckpt, group)
+        if problem is None:
+            if _rank(group) == 0:
+                for note in notes:
+                    warnings.warn(f"torchloom.load: in {path!r}, {note}", stacklevel=2)
+                for bad, why in damaged:
+                    warnings.warn(
+                        f"torchloom.load: checkpoint {bad.path!r} (step {bad.step}) is damaged "
+                        f"({why}); loading {ckpt.path!r} (step {ckpt.step}) instead",
+                        stacklevel=2)
+            return dataclasses.replace(ckpt, verified=True)
+        damaged.append((ckpt, problem))
+    bad, why = damaged[0]
+    raise CheckpointIOError(
+        f"checkpoint {bad.name!r} (step {bad.step}) is damaged: {why}", primitive=primitive,
+        values={"path": bad.path, "damaged": [f"{c.name}: {w}" for c, w in damaged[1:]]}
+        if len(damaged) > 1 else {"path": bad.path},
+        fix="restore the file from a copy; no complete checkpoint in this directory matches "
+        "its checksums")
 
 
 def _expected_full(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -592,28 +1359,62 @@ def _shorten(items: list[Any], n: int = 6) -> list[Any]:
     return items if len(items) <= n else items[:n] + [f"... {len(items) - n} more"]
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
-         *, group: Any = None) -> int:
+def load(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+         path: str | os.PathLike | Checkpoint, *, step: int | None = None,
+         group: Any = None) -> int:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``) in
-    their current layout, whatever the world size at save time; returns the saved step.
+    their current layout, whatever the world size at save time; returns its step.
 
-    A collective: every rank of ``group`` calls it. The model must have the checkpoint's
-    keys and full shapes; the optimizer must be over the same parameters, in the same
-    groups. Raises :class:`CheckpointIOError` for a missing or incomplete checkpoint and
+    ``path`` is a save directory (its newest complete checkpoint is loaded, or the one of
+    ``step``), one checkpoint's folder, or a :class:`Checkpoint` from
+    :func:`find_checkpoint` (already verified). A collective: every rank of ``group``
+    calls it. The model must have the checkpoint's keys and full shapes; the optimizer
+    must be over the same parameters, in the same groups. The model's parameters are
+    written in place, so it works on a model that is already built and trained. Raises
+    :class:`CheckpointIOError` for a missing, incomplete or damaged checkpoint (a file
+    whose SHA-256 differs from its marker's is named) and
     :class:`CheckpointMismatchError` for one that does not fit.
+
+    Trust: the checksums catch damage, not forgery. DCP's ``.metadata`` is a pickle; it
+    is read only after its checksum matched, with an unpickler that accepts DCP's
+    metadata types only and tensors are read with ``torch.load(weights_only=True)``;
+    still, treat a checkpoint from an untrusted source like any pickle: loading it is
+    running its code, as far as those unpicklers let it.
     """
+    if isinstance(path, Checkpoint):
+        ckpt = path if path.verified else find_checkpoint(path.path, group=group)
+    else:
+        ckpt = find_checkpoint(path, step=step, group=group)
+    return load_checkpoint(model, optimizer, ckpt, group=group)
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    ckpt: Checkpoint, *, group: Any = None) -> int:
+    """Read the verified checkpoint ``ckpt`` (from :func:`find_checkpoint`) into ``model``
+    (and ``optimizer``), in place; returns its step. A collective over ``group``. The
+    model's parameters must be real tensors (not meta); they keep their identity."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = os.path.normpath(os.fspath(path))
-    marker = _read_marker(path)
-    reader = dcp.FileSystemReader(path)
+    path = ckpt.path
+    marker = ckpt.marker
+    reader = _safe_reader(path)
     try:
-        metadata = reader.read_metadata().state_dict_metadata
+        full_metadata = reader.read_metadata()
+        metadata = full_metadata.state_dict_metadata
+        stored = {info.relative_path for info in (full_metadata.storage_data or {}).values()}
     except Exception as exc:
         raise CheckpointIOError(
-            f"cannot read the DCP metadata: {exc}", primitive="load", values={"path": path},
-            fix="the checkpoint is damaged; load an earlier one") from exc
+            f"cannot read the DCP metadata '.metadata': {type(exc).__name__}: {exc}"[:400],
+            primitive="load", values={"path": path},
+            fix="the checkpoint is damaged or was not written by torchloom.save; load an "
+            "earlier one") from exc
+    unlisted = sorted(str(p) for p in stored if p not in marker["files"])
+    if unlisted:
+        raise CheckpointIOError(
+            "the DCP metadata names files that the marker has no checksum of",
+            primitive="load", values={"path": path, "files": _shorten(unlisted)},
+            fix="the checkpoint was not written by torchloom.save; do not load it")
 
     def saved_shape(key: str) -> tuple[int, ...] | None:
         md = metadata.get(key)
@@ -622,7 +1423,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     model_state = model.state_dict(keep_vars=True)
     saved_keys = [k[len(_MODEL):] for k in metadata if k.startswith(_MODEL)]
     missing = [k for k in model_state if _MODEL + k not in metadata]
-    unexpected = [k for k in saved_keys if k not in model_state]
+    # a pipeline rank holds some stages: the other stages' keys are not unexpected
+    whole = getattr(model, "all_state_dict_keys", None)
+    known = set(whole()) if callable(whole) else model_state
+    unexpected = [k for k in saved_keys if k not in known]
     if missing or unexpected:
         raise _mismatch(
             "the checkpoint holds another model: its keys differ from the model's",
@@ -656,7 +1460,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
 
     optim_loads: list[tuple[int, str, str, Any, torch.Tensor | None, ShardSpec | None]] = []
     if optimizer is not None:
-        if not marker.get("has_optimizer"):
+        if not marker["has_optimizer"]:
             raise _mismatch(
                 "the checkpoint holds no optimizer state", {"path": path},
                 "load(model, None, path), or save with the optimizer: "
@@ -672,12 +1476,12 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                  "checkpoint_groups": [_shorten(g, 3) for g in then]},
                 "make the optimizer with the same parameter groups, in the same order, as "
                 "the one that was saved")
-        if marker.get("optimizer_class") != type(optimizer).__name__:
+        if marker["optimizer_class"] != type(optimizer).__name__:
             raise _mismatch(
                 "the checkpoint holds the state of another optimizer class",
-                {"path": path, "checkpoint": marker.get("optimizer_class"),
+                {"path": path, "checkpoint": marker["optimizer_class"],
                  "optimizer": type(optimizer).__name__},
-                f"load it into a {marker.get('optimizer_class')} optimizer")
+                f"load it into a {marker['optimizer_class']} optimizer")
         index = 0
         for entries in params:
             for name, p in entries:
@@ -703,7 +1507,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                     targets[full_key] = target
                 index += 1
 
-    with _dcp_errors("load", path, None), \
+    with _dcp_errors("load", path, False), \
             guard_collective("torch.distributed.checkpoint.load", "load", group), _quiet():
         dcp.load(targets, storage_reader=reader, process_group=group,
                  no_dist=not dist.is_initialized())
@@ -716,6 +1520,14 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
                 tensor.copy_(target)
 
     if optimizer is not None:
+        try:
+            other_state = _from_json(marker["other_state"])
+            saved_groups = _from_json(marker["param_groups"])
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise CheckpointIOError(
+                f"the optimizer data of the marker is malformed: {exc}", primitive="load",
+                values={"path": path}, fix="the checkpoint is damaged; load an earlier one"
+            ) from exc
         state: dict[int, dict[str, Any]] = {}
         for index, _name, key, target, local, spec in optim_loads:
             if spec is not None and local is not None:
@@ -727,12 +1539,12 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
         index = 0
         for entries in _optimizer_params(model, optimizer, "load"):
             for name, _ in entries:
-                for key, value in marker["other_state"].get(name, {}).items():
+                for key, value in other_state.get(name, {}).items():
                     state.setdefault(index, {})[key] = value
                 index += 1
         groups = []
         start = 0
-        for saved in marker["param_groups"]:
+        for saved in saved_groups:
             group_sd = dict(saved)
             n = len(saved["params"])
             group_sd["params"] = list(range(start, start + n))

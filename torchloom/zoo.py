@@ -34,7 +34,8 @@ from torch import nn
 
 from .errors import ScheduleError
 
-__all__ = ["SIZES", "example_inputs", "layer_paths", "list_models", "make_model"]
+__all__ = ["SIZES", "example_inputs", "layer_paths", "list_models", "make_model",
+           "max_positions"]
 
 SIZES = ("tiny", "small")
 
@@ -218,6 +219,21 @@ def make_model(name: str, size: str = "tiny", *, seed: int | None = None,
         # (the loss is the same, this only silences a warning on the first forward).
         model.loss_type = "ForCausalLM"
     return model.train()
+
+
+def max_positions(name: str, size: str = "tiny") -> tuple[str, int] | None:
+    """The config field that bounds a zoo model's sequence length, and its value; None
+    for models without one (T5's positions are relative; ViT takes images).
+
+    >>> max_positions("opt"), max_positions("gpt2", "small"), max_positions("t5")
+    (('max_position_embeddings', 128), ('n_positions', 256), None)
+    """
+    entry = _entry(name, "max_positions")
+    values = {**entry.common, **entry.sizes.get(size, {})}
+    for key in ("n_positions", "max_position_embeddings"):
+        if key in values and entry.kind != "image":
+            return key, int(values[key])
+    return None
 
 
 def example_inputs(name: str, model: nn.Module, batch_size: int = 2, seq_len: int = 16,
