@@ -18,6 +18,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
+from tests.bad_input_cases import collect
 from torchloom.errors import BuildError, RecipeError
 from torchloom.state import CheckpointIOError, CheckpointMismatchError
 
@@ -317,8 +318,11 @@ CASES: list[tuple[Callable, type, str]] = [
 ]
 
 
+CASES += collect()
+
+
 def test_the_catalogue_is_large():
-    assert len(CASES) >= 30
+    assert len(CASES) >= 70
     assert len({case.__name__ for case, _, _ in CASES}) == len(CASES)
 
 

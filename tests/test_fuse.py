@@ -361,7 +361,7 @@ def test_recipes_record_matches_by_pattern_and_index_at_the_time_of_the_call() -
     verify_recipe_roundtrip(sch, tiny.bert, (inputs()["input_ids"],))
 
     # a recipe whose pattern finds less on another model says which line fails and why
-    recipe = tl.Recipe.from_json(sch.recipe.to_json())
+    recipe = tl.Recipe.from_json(sch.recipe.to_json(), trusted_refs=sch.recipe.references())
     entries = list(recipe)
     entries[-1] = tl.RecipeEntry("checkpoint", entries[-1].path, (), {
         "subgraph": {"pattern": is_key_or_value, "index": [0, 7], "predicate": True}})

@@ -71,7 +71,12 @@ def test_json_encodes_data_and_references():
     assert data["torchloom_recipe"] == 1
     assert data["entries"][0]["args"][2] == {"t": {"__tuple__": [1]}, "l": [None, 2.5]}
     assert data["entries"][1]["args"] == [{"__ref__": "tests.test_replace:make_explicit_mlp"}]
-    assert tl.Recipe.from_json(sch.recipe.to_json()) == sch.recipe
+    # a reference outside torch / torchloom / transformers resolves only when trusted
+    trusted = sch.recipe.references()
+    assert trusted == {"tests.test_replace:make_explicit_mlp": make_explicit_mlp}
+    assert tl.Recipe.from_json(sch.recipe.to_json(), trusted_refs=trusted) == sch.recipe
+    with pytest.raises(tl.RecipeError, match="'tests.test_replace:make_explicit_mlp' is not trusted"):
+        tl.Recipe.from_json(sch.recipe.to_json())
 
 
 def test_to_json_names_the_line_that_is_not_data():

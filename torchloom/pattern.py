@@ -56,6 +56,7 @@ from __future__ import annotations
 import inspect
 import operator
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -65,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PatternError, TraceError
-from .tracing import is_guard, is_leaf, is_traced
+from .tracing import TRACE_LOCK, is_guard, is_leaf, is_traced
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -251,8 +252,26 @@ class _Compiled:
 
 
 class _PatternTracer(fx.Tracer):
+    """Traces a pattern. fx patches ``nn.Module.__call__`` process-wide while it traces, so
+    module calls made meanwhile by other threads are passed through untouched (and the trace
+    itself holds :data:`torchloom.tracing.TRACE_LOCK`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, ModulePattern) or is_leaf(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def is_node_predicate(fn: Any) -> bool:
@@ -275,13 +294,9 @@ def _compile(pattern: Any, path: str) -> _Compiled:
                 fix="pass an instance, or give the class defaults",
             ) from None
     try:
-        if isinstance(pattern, nn.Module):
-            tracer = _PatternTracer()
-            graph = tracer.trace(pattern)
-            owner: nn.Module | None = pattern
-        else:
-            graph = fx.Tracer().trace(pattern)
-            owner = None
+        with TRACE_LOCK:
+            graph = _PatternTracer().trace(pattern)
+        owner: nn.Module | None = pattern if isinstance(pattern, nn.Module) else None
     except Exception as exc:  # noqa: BLE001 - any trace failure of a pattern
         raise PatternError(
             f"the pattern cannot be traced: {type(exc).__name__}: {exc}",

@@ -1,9 +1,9 @@
 """Test helpers for users and for torchloom's own tests.
 
 :func:`verify_recipe_roundtrip` is the one check every primitive's tests run: a recipe
-must serialise, parse, print as a script, and replay on a fresh model to the same
-schedule (same recipe, same module structure, same parameter names, shapes and
-metadata, same outputs).
+must serialise, parse, print as a script (which parses back to the same calls: nothing
+is ``exec``'d), and replay on a fresh model to the same schedule (same recipe, same
+module structure, same parameter names, shapes and metadata, same outputs).
 
 >>> import torch, torchloom as tl
 >>> def make():
@@ -63,11 +63,15 @@ def verify_recipe_roundtrip(
     """Assert that ``sch.recipe`` survives JSON, printing and replay on ``model_factory()``.
 
     ``model_factory`` must build a model equal to the one ``sch`` was made from (same
-    class and config; weights are copied across before outputs are compared).
+    class and config; weights are copied across before outputs are compared). The printed
+    script is checked without executing it: :meth:`~torchloom.Recipe.from_script` reads
+    it as data (the functions and classes it names must be the ones ``sch`` recorded, or
+    trusted ones) and the calls it holds are replayed on a fresh model.
     """
     recipe = sch.recipe
+    trusted = recipe.references()  # the functions and classes this process recorded
     text = recipe.to_json()
-    parsed = Recipe.from_json(text)
+    parsed = Recipe.from_json(text, trusted_refs=trusted)
     assert parsed == recipe, "JSON round trip changed the recipe"
     assert parsed.to_json() == text, "re-serialised JSON differs"
 
@@ -76,9 +80,13 @@ def verify_recipe_roundtrip(
     assert str(replayed.recipe) == str(recipe), "replayed recipe prints differently"
     assert structure_of(replayed.mod) == structure_of(sch.mod), "replay built another structure"
 
-    namespace: dict[str, Any] = {"model": model_factory()}
-    exec(compile(str(recipe), "<recipe>", "exec"), namespace)  # noqa: S102 - our own script
-    scripted: Schedule = namespace["sch"]
+    # The printed script, read without running it: each line must parse to the recorded
+    # call (names it imports, literal values), and replaying those calls the way the script
+    # would run them (sch = create_schedule(model); sch[path].primitive(...)) must build
+    # the same schedule.
+    script = Recipe.from_script(str(recipe), trusted_refs=trusted)
+    assert script == recipe, "the printed script holds a different recipe"
+    scripted = apply_recipe(model_factory(), script)
     assert scripted.recipe == recipe, "the printed script records a different recipe"
     assert structure_of(scripted.mod) == structure_of(sch.mod), "the script built another structure"
 

@@ -12,7 +12,10 @@ The pieces, each usable alone:
 * :class:`TrainEvaluator`: the default measurement, a few real training steps
   (:mod:`~torchloom.tune.evaluate`); :class:`~torchloom.tune.worker.TorchrunEvaluator`
   runs each candidate as a ``torchrun`` job instead (:mod:`~torchloom.tune.worker`);
-* :class:`Database`: SQLite results that survive an interruption (:mod:`~torchloom.tune.database`);
+* :class:`Database`: SQLite results that survive an interruption, keyed by the study's
+  fingerprint of the model and space (:mod:`~torchloom.tune.database`,
+  :mod:`~torchloom.tune.fingerprint`); a file it did not write raises
+  :class:`TuneDatabaseError`;
 * :class:`Tuner` / :func:`tune`: ties them together; a candidate is the recipe a schedule
   function records at a point (:mod:`~torchloom.tune.tuner`);
 * :func:`plot_space` and :func:`torchloom.tune.cli.tune_command` for output.
@@ -28,8 +31,9 @@ The pieces, each usable alone:
 from __future__ import annotations
 
 from .database import Database, TrialRecord
-from .errors import TuneError
+from .errors import TuneDatabaseError, TuneError
 from .evaluate import Evaluator, Result, TrainEvaluator
+from .fingerprint import study_fingerprint
 from .memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
 from .plot import plot_space
 from .space import Space, Symbol, point_key
@@ -51,6 +55,7 @@ __all__ = [
     "Symbol",
     "TrainEvaluator",
     "TrialRecord",
+    "TuneDatabaseError",
     "TuneError",
     "TuneResult",
     "Tuner",
@@ -59,5 +64,6 @@ __all__ = [
     "plot_space",
     "point_key",
     "state_bytes",
+    "study_fingerprint",
     "tune",
 ]

@@ -12,6 +12,11 @@ lists, ``sch[path].checkpoint(ratio=r)``) for a zoo model on the CPU, with
 * results in the SQLite file ``db``: run the command again after an interruption and it
   resumes, running no finished trial twice.
 
+Every argument is checked before the first trial (:func:`check_arguments`): a model
+the command can feed (text models: :func:`tunable_models`), positive batch sizes,
+ratios in [0, 1], and output paths that can be written (``db`` and ``plot`` in existing
+folders, not folders themselves, not the same file), so that a typo costs nothing.
+
 Exit status: 0 when a candidate fits, 1 when none does, 2 on bad input, 130 on Ctrl-C.
 
 >>> import inspect
@@ -24,6 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import os
+from pathlib import Path
+
 import torch
 from rich.console import Console
 from rich.live import Live
@@ -35,8 +43,8 @@ from rich.table import Table
 from .. import zoo
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from .database import TrialRecord
-from .errors import TuneError
+from .database import TrialRecord, check_database_path
+from .errors import TuneDatabaseError, TuneError
 from .evaluate import TrainEvaluator
 from .memory import CostModel, fake_mode
 from .plot import plot_space
@@ -44,7 +52,7 @@ from .space import Point, Space
 from .strategies import make_strategy
 from .tuner import Tuner
 
-__all__ = ["default_ratios", "trial_table", "tune_command"]
+__all__ = ["check_arguments", "default_ratios", "trial_table", "tunable_models", "tune_command"]
 
 MIB = 2**20
 GIB = 2**30
@@ -62,6 +70,78 @@ def default_ratios(model: str, size: str = "tiny") -> list[float]:
         path = zoo.layer_paths(model)[0]
         count = len(built.get_submodule(path))
     return [i / count for i in range(count + 1)]
+
+
+def tunable_models() -> list[str]:
+    """The zoo models the command can tune: those whose inputs are token ids (the
+    command measures tokens per second on random tokens; ViT takes images).
+
+    >>> tunable_models()
+    ['bert', 'gpt2', 'llama', 'opt', 't5']
+    """
+    return [m for m in zoo.list_models() if zoo._ZOO[m].kind != "image"]  # noqa: SLF001
+
+
+def _check_output(path: str, option: str) -> None:
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        problem, fix = "is a folder", f"name a file in it: {option} {target / 'torchloom-tune.png'}"
+    elif not folder.is_dir():
+        problem = f"is in a folder that does not exist ({str(folder)!r})"
+        fix = f"create it first (mkdir -p {folder}) or write beside: {option} {target.name}"
+    elif not os.access(folder, os.W_OK):
+        problem = f"is in a folder this process cannot write ({str(folder)!r})"
+        fix = f"write it elsewhere, e.g. {option} {target.name}"
+    else:
+        return
+    raise TuneError(f"the output {option} {path!r} {problem}", primitive="torchloom tune",
+                    values={option.lstrip("-"): path}, fix=fix)
+
+
+def check_arguments(model: str, budget_gb: float, db: str, plot: str | None,
+                    batch_sizes: Sequence[int], ratios: Sequence[float] | None = None) -> None:
+    """Raise :class:`~torchloom.tune.TuneError` for arguments :func:`tune_command` cannot
+    use, before any model is built or trial run.
+
+    >>> check_arguments("gpt2", 0.05, "tune.db", None, [0, -4])
+    Traceback (most recent call last):
+    ...
+    torchloom.tune.errors.TuneError: torchloom tune(...): batch sizes must be positive integers
+        values: batch_sizes=[0, -4]
+        fix: --batch-sizes 1,2,4,8
+    """
+    models = tunable_models()
+    if model not in models:
+        known = model in zoo.list_models()
+        problem = (f"cannot tune {model!r}: it takes images (pixel_values), and this command "
+                   "feeds token ids" if known else f"unknown model {model!r}")
+        raise TuneError(f"{problem}; the command tunes {', '.join(models)}",
+                        primitive="torchloom tune", values={"model": model, "models": models},
+                        fix=f"tune one of them, e.g. torchloom tune "
+                        f"{'gpt2' if 'gpt2' in models else models[0]} --budget-gb {budget_gb:g}")
+    if not isinstance(budget_gb, (int, float)) or not budget_gb > 0:
+        raise TuneError("the memory budget must be positive", primitive="tune",
+                        values={"budget_gb": budget_gb}, fix="e.g. --budget-gb 0.05")
+    sizes = list(batch_sizes)
+    if not sizes or not all(type(b) is int and b > 0 for b in sizes):
+        raise TuneError("batch sizes must be positive integers", primitive="torchloom tune",
+                        values={"batch_sizes": sizes}, fix="--batch-sizes 1,2,4,8")
+    if ratios is not None and (not list(ratios) or not all(
+            isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in ratios)):
+        raise TuneError("checkpoint ratios must lie in [0, 1]", primitive="torchloom tune",
+                        values={"ratios": list(ratios)}, fix="ratios=[0.0, 0.5, 1.0]")
+    try:
+        check_database_path(db)
+    except TuneDatabaseError as exc:
+        raise TuneError(exc.problem, primitive="torchloom tune", values={"db": db},
+                        fix=exc.fix) from None
+    if plot is not None:
+        _check_output(plot, "--plot")
+        if os.path.realpath(plot) == os.path.realpath(db):
+            raise TuneError("the figure would overwrite the results database",
+                            primitive="torchloom tune", values={"db": db, "plot": plot},
+                            fix="--plot torchloom-tune.png (another file than --db)")
 
 
 def _mib(value: int | None) -> str:
@@ -113,7 +193,7 @@ def tune_command(
     """Tune a zoo model's batch size and checkpoint ratio under a memory budget.
 
     Args:
-        model: a zoo name (``torchloom.zoo.list_models()``), e.g. ``"gpt2"``.
+        model: a zoo model that takes tokens (:func:`tunable_models`), e.g. ``"gpt2"``.
         budget_gb: memory per rank in GiB (fractions allowed: ``0.05`` is 51 MiB).
         strategy: ``"binary"``, ``"exhaustive"`` or ``"optuna"``.
         db: the SQLite results file; the study inside it is named after model and size.
@@ -155,9 +235,7 @@ def _tune(model: str, budget_gb: float, strategy_name: str, db: str, plot: str |
           size: str, batch_sizes: list[int], ratios: Sequence[float] | None, seq_len: int,
           trials: int, steps: int, warmup: int, seed: int, simulate_oom: bool,
           console: Console) -> int:
-    if not budget_gb > 0:
-        raise TuneError("the memory budget must be positive", primitive="tune",
-                        values={"budget_gb": budget_gb}, fix="e.g. --budget-gb 0.05")
+    check_arguments(model, budget_gb, db, plot, batch_sizes, ratios)
     budget = int(budget_gb * GIB)
     paths = zoo.layer_paths(model)
     space = Space()
@@ -181,26 +259,31 @@ def _tune(model: str, budget_gb: float, strategy_name: str, db: str, plot: str |
     symbols = list(space.symbols)
     title = f"tuning {model} ({size}) with {strategy.name}, budget {budget / MIB:.0f} MiB"
     console.print(f"{title}: {space.count()} points; results in {db}")
-    with Live(trial_table(rows, symbols, title), console=console, refresh_per_second=4) as live:
+    live = Live(trial_table(rows, symbols, title), console=console, refresh_per_second=4)
 
-        def on_trial(record: TrialRecord, resumed: bool) -> None:
-            rows.append((record, resumed))
-            live.update(trial_table(rows, symbols, title))
+    def on_trial(record: TrialRecord, resumed: bool) -> None:
+        rows.append((record, resumed))
+        live.update(trial_table(rows, symbols, title))
 
-        tuner = Tuner(
-            space, make_model, schedule,
-            TrainEvaluator(make_model, make_inputs, steps=steps, warmup=warmup, seed=seed,
-                           memory_limit_bytes=budget if simulate_oom else None),
-            cost_model=CostModel(make_model, make_inputs), budget_bytes=budget,
-            db=db, study=f"{model}-{size}-seq{seq_len}", on_trial=on_trial)
-        try:
+    # The database is opened (and checked) before the live table starts.
+    tuner = Tuner(
+        space, make_model, schedule,
+        TrainEvaluator(make_model, make_inputs, steps=steps, warmup=warmup, seed=seed,
+                       memory_limit_bytes=budget if simulate_oom else None),
+        cost_model=CostModel(make_model, make_inputs), budget_bytes=budget,
+        db=db, study=f"{model}-{size}-seq{seq_len}", on_trial=on_trial)
+    try:
+        with live:
             result = tuner.run(strategy)
-        finally:
-            tuner.close()
+    finally:
+        tuner.close()
     console.line()
     console.print(
         f"{result.evaluations} evaluated, {result.resumed} resumed from {db}, "
         f"{len(result.pruned)} pruned by the cost model, {result.seconds:.1f} s")
+    if result.discarded:
+        console.print(f"[yellow]{result.discarded} stored trials of {db} did not hold this "
+                      "schedule's recipe[/]: they were run again and replaced")
     if plot is not None:
         plot_space(result.records, plot, title=title, all_points=list(space.enumerate()))
         console.print(f"figure of the explored space: {plot}")

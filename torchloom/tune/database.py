@@ -1,13 +1,25 @@
-"""Trial results in SQLite: one row per (study, point), committed as each trial ends.
+"""Trial results in SQLite: one row per (study, fingerprint, point), committed as each
+trial ends.
 
 A tuning run that is interrupted (Ctrl-C, a crash, ``kill -9``) loses at most the trial
 that was running: every finished trial was committed in its own transaction. When the run
 starts again on the same file and study, finished trials are read back and not run again.
 
+Rows carry the study's fingerprint (:mod:`~torchloom.tune.fingerprint`: the model and the
+space): a :class:`Database` bound to a fingerprint reads and writes only rows of that
+fingerprint, so rows of another model or space are never resumed.
+
 Statuses: ``"ok"`` (ran, throughput measured), ``"failed"`` (ran and raised, e.g. out of
 memory; throughput 0), ``"pruned"`` (the memory cost model said it cannot fit the budget;
 never run). Only ``ok`` and ``failed`` rows count as finished: a pruned row keeps its
 predicted memory so that a later run with a larger budget can run it.
+
+The file is data the tuner did not necessarily write: it is opened only if it is a
+torchloom tuner database (SQLite with torchloom's application id and schema version, a
+``trials`` table of the expected columns), and every row read is checked (a point that
+is a JSON object in canonical form, a known status, numbers where numbers belong, a
+recipe that is JSON). Anything else raises :class:`~torchloom.tune.errors.TuneDatabaseError`
+naming the file and what is wrong; nothing in a row is ever run.
 
 >>> db = Database(":memory:")
 >>> db.save(TrialRecord(point={"batch_size": 8}, status="ok", throughput=100.0,
@@ -21,22 +33,34 @@ predicted memory so that a later run with a larger budget can run it.
 from __future__ import annotations
 
 import json
+import math
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from .errors import TuneDatabaseError
 from .space import Point, point_key
 
-__all__ = ["FINISHED", "Database", "TrialRecord"]
+__all__ = ["APPLICATION_ID", "FINISHED", "SCHEMA_VERSION", "Database", "TrialRecord"]
 
 FINISHED = ("ok", "failed")
 STATUSES = ("ok", "failed", "pruned")
 
+#: SQLite's ``PRAGMA application_id`` of a torchloom tuner database ("TLTU").
+APPLICATION_ID = 0x544C5455
+#: ``PRAGMA user_version``: the layout of the ``trials`` table (1 had no fingerprint).
+SCHEMA_VERSION = 2
+
+_COLUMNS = ("study", "fingerprint", "key", "seq", "status", "throughput",
+            "peak_memory_bytes", "predicted_memory_bytes", "error", "recipe", "seconds",
+            "created")
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS trials (
+CREATE TABLE trials (
     study TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
     key TEXT NOT NULL,
     seq INTEGER NOT NULL,
     status TEXT NOT NULL,
@@ -47,9 +71,10 @@ CREATE TABLE IF NOT EXISTS trials (
     recipe TEXT,
     seconds REAL NOT NULL,
     created REAL NOT NULL,
-    PRIMARY KEY (study, key)
+    PRIMARY KEY (study, fingerprint, key)
 )
 """
+_FIX = "pass another results file (--db new.db), or move this one away if it is not needed"
 
 
 @dataclass
@@ -93,18 +118,74 @@ class Database:
     """A SQLite file of :class:`TrialRecord` s for one study.
 
     Args:
-        path: the file (created if missing), or ``":memory:"``.
+        path: the file (created if missing), or ``":memory:"``. Its folder must exist.
         study: a name that separates runs sharing one file (e.g. the model's name).
+        fingerprint: the study's fingerprint (:func:`~torchloom.tune.fingerprint.study_fingerprint`);
+            rows are written with it and only rows with it are read. None: rows are written
+            with an empty fingerprint, and :meth:`load` / :meth:`get` read the rows of every
+            fingerprint of the study (to inspect a file; a :class:`~torchloom.tune.Tuner`
+            always binds its own).
+
+    Raises:
+        TuneDatabaseError: the path is not a file the tuner can use (see the module
+            docstring).
     """
 
-    def __init__(self, path: str | Path, study: str = "default") -> None:
+    def __init__(self, path: str | Path, study: str = "default",
+                 fingerprint: str | None = None) -> None:
         self.path = str(path)
         self.study = study
-        self._conn = sqlite3.connect(self.path)
+        self.fingerprint = fingerprint
         if self.path != ":memory:":
-            self._conn.execute("PRAGMA journal_mode=WAL")
-        with self._conn:
-            self._conn.execute(_SCHEMA)
+            check_database_path(self.path)
+        self._conn = sqlite3.connect(self.path)
+        try:
+            self._open()
+        except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            self._conn.close()
+            raise self._error(f"it is not a SQLite database ({exc})") from None
+        except TuneDatabaseError:
+            self._conn.close()
+            raise
+
+    def _error(self, problem: str, *, ours: bool = False, **values: Any) -> TuneDatabaseError:
+        lead = "" if ours else " is not a torchloom tuner database:"
+        return TuneDatabaseError(
+            f"{self.path!r}{lead} {problem}",
+            primitive="tune.Database", values={"path": self.path, **values}, fix=_FIX)
+
+    def _open(self) -> None:
+        conn = self._conn
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = sorted(r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"))
+        if app_id == 0 and version == 0 and not tables:  # new (or empty): make it ours
+            with conn:
+                conn.execute(_SCHEMA)
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        elif app_id != APPLICATION_ID:
+            columns = self._columns() if "trials" in tables else ()
+            if tables == ["trials"] and "fingerprint" not in columns and "recipe" in columns:
+                raise self._error(
+                    "was written by an older torchloom (schema 1: rows without the "
+                    "fingerprint of the model and space this torchloom resumes by)",
+                    ours=True, schema=1)
+            raise self._error("it is another program's SQLite database",
+                              application_id=app_id, tables=tables[:8])
+        elif version != SCHEMA_VERSION:
+            raise self._error(f"is a torchloom tuner database of schema {version}; this "
+                              f"torchloom reads schema {SCHEMA_VERSION}", ours=True,
+                              schema=version)
+        elif self._columns() != _COLUMNS:
+            raise self._error("its 'trials' table has other columns",
+                              columns=list(self._columns())[:16])
+        if self.path != ":memory:":
+            conn.execute("PRAGMA journal_mode=WAL")
+
+    def _columns(self) -> tuple[str, ...]:
+        return tuple(r[1] for r in self._conn.execute("PRAGMA table_info(trials)"))
 
     def close(self) -> None:
         """Close the connection (rows are committed already)."""
@@ -116,48 +197,127 @@ class Database:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _where(self) -> tuple[str, tuple[Any, ...]]:
+        if self.fingerprint is None:
+            return "study = ?", (self.study,)
+        return "study = ? AND fingerprint = ?", (self.study, self.fingerprint)
+
     def save(self, record: TrialRecord) -> None:
         """Insert or replace the row of ``record.point`` and commit at once."""
         if record.status not in STATUSES:
             raise ValueError(f"unknown status {record.status!r}")
+        fingerprint = self.fingerprint or ""
         with self._conn:  # one transaction per trial: committed when this block ends
             row = self._conn.execute(
-                "SELECT seq FROM trials WHERE study = ? AND key = ?", (self.study, record.key)
-            ).fetchone()
+                "SELECT seq FROM trials WHERE study = ? AND fingerprint = ? AND key = ?",
+                (self.study, fingerprint, record.key)).fetchone()
             if row is None:
                 (seq,) = self._conn.execute(
-                    "SELECT COALESCE(MAX(seq), -1) + 1 FROM trials WHERE study = ?", (self.study,)
-                ).fetchone()
+                    "SELECT COALESCE(MAX(seq), -1) + 1 FROM trials WHERE study = ? AND "
+                    "fingerprint = ?", (self.study, fingerprint)).fetchone()
             else:
                 seq = row[0]
             self._conn.execute(
-                "INSERT OR REPLACE INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.study, record.key, seq, record.status, float(record.throughput),
-                 record.peak_memory_bytes, record.predicted_memory_bytes, record.error,
-                 record.recipe, float(record.seconds), time.time()),
+                "INSERT OR REPLACE INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.study, fingerprint, record.key, seq, record.status,
+                 float(record.throughput), record.peak_memory_bytes,
+                 record.predicted_memory_bytes, record.error, record.recipe,
+                 float(record.seconds), time.time()),
             )
         record.seq = seq
 
+    _SELECT = ("SELECT key, status, throughput, peak_memory_bytes, predicted_memory_bytes, "
+               "error, recipe, seconds, seq FROM trials WHERE ")
+
     def load(self) -> list[TrialRecord]:
-        """Every row of the study, in the order first written."""
-        rows = self._conn.execute(
-            "SELECT key, status, throughput, peak_memory_bytes, predicted_memory_bytes, error, "
-            "recipe, seconds, seq FROM trials WHERE study = ? ORDER BY seq", (self.study,)
-        ).fetchall()
-        return [_record(row) for row in rows]
+        """Every row of the study (and fingerprint), in the order first written.
+
+        Raises:
+            TuneDatabaseError: a row holds something the tuner never writes.
+        """
+        where, params = self._where()
+        try:
+            rows = self._conn.execute(self._SELECT + where + " ORDER BY seq", params).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise self._error(f"its rows cannot be read ({exc})") from None
+        return [self._record(row) for row in rows]
 
     def get(self, point: Point) -> TrialRecord | None:
         """The row of ``point``, or None."""
-        row = self._conn.execute(
-            "SELECT key, status, throughput, peak_memory_bytes, predicted_memory_bytes, error, "
-            "recipe, seconds, seq FROM trials WHERE study = ? AND key = ?",
-            (self.study, point_key(point)),
-        ).fetchone()
-        return None if row is None else _record(row)
+        where, params = self._where()
+        row = self._conn.execute(self._SELECT + where + " AND key = ? ORDER BY created DESC",
+                                 (*params, point_key(point))).fetchone()
+        return None if row is None else self._record(row)
+
+    def _record(self, row: tuple[Any, ...]) -> TrialRecord:
+        try:
+            return _record(row)
+        except _BadRow as exc:
+            raise TuneDatabaseError(
+                f"{self.path!r} holds a row the tuner never writes: {exc}",
+                primitive="tune.Database",
+                values={"path": self.path, "study": self.study, "seq": row[-1],
+                        "key": str(row[0])[:80]},
+                fix=_FIX) from None
+
+
+class _BadRow(Exception):
+    pass
+
+
+def check_database_path(path: str) -> None:
+    """Raise :class:`TuneDatabaseError` unless ``path`` can hold a database: its folder
+    exists and is writable, and the path is not a folder."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        problem = "is a folder"
+    elif not folder.is_dir():
+        problem = f"is in a folder that does not exist ({str(folder)!r})"
+    elif not os.access(folder, os.W_OK):
+        problem = f"is in a folder this process cannot write ({str(folder)!r})"
+    else:
+        return
+    raise TuneDatabaseError(f"the results file {path!r} {problem}", primitive="tune.Database",
+                            values={"path": path},
+                            fix="pass a file in an existing folder, e.g. --db torchloom-tune.db")
+
+
+def _number(value: Any, column: str, *, optional: bool = False, integer: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if type(value) not in kinds or not math.isfinite(value) or value < 0:
+        raise _BadRow(f"{column} is {value!r}, not a non-negative "
+                      f"{'integer' if integer else 'number'}")
+    return value
 
 
 def _record(row: tuple[Any, ...]) -> TrialRecord:
+    """A row as a record, checking every column; raises ``_BadRow``."""
     key, status, thr, peak, pred, error, recipe, seconds, seq = row
-    return TrialRecord(point=json.loads(key), status=status, throughput=thr,
-                       peak_memory_bytes=peak, predicted_memory_bytes=pred, error=error,
-                       recipe=recipe, seconds=seconds, seq=seq)
+    try:
+        point = json.loads(key) if isinstance(key, str) else None
+    except (ValueError, RecursionError):
+        point = None
+    if type(point) is not dict or point_key(point) != key or not all(
+            v is None or type(v) in (bool, int, float, str) for v in point.values()):
+        raise _BadRow(f"its point is not a JSON object in canonical form: {str(key)[:80]!r}")
+    if status not in STATUSES:
+        raise _BadRow(f"unknown status {status!r}")
+    if error is not None and not isinstance(error, str):
+        raise _BadRow(f"error is a {type(error).__name__}, not text")
+    if recipe is not None:
+        try:
+            data = json.loads(recipe) if isinstance(recipe, str) else None
+        except (ValueError, RecursionError):
+            data = None
+        if type(data) is not dict or "torchloom_recipe" not in data:
+            raise _BadRow(f"its recipe is not a recipe's JSON: {str(recipe)[:80]!r}")
+    return TrialRecord(point=point, status=status, throughput=_number(thr, "throughput"),
+                       peak_memory_bytes=_number(peak, "peak_memory_bytes", optional=True,
+                                                 integer=True),
+                       predicted_memory_bytes=_number(pred, "predicted_memory_bytes",
+                                                      optional=True, integer=True),
+                       error=error, recipe=recipe, seconds=_number(seconds, "seconds"),
+                       seq=_number(seq, "seq", integer=True))

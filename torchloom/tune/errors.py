@@ -19,3 +19,11 @@ __all__ = ["TuneError"]
 
 class TuneError(ScheduleError):
     """A search space, strategy, database or tuning run was set up wrongly."""
+
+
+class TuneDatabaseError(TuneError):
+    """A results file the tuner did not write: not SQLite, another program's or another
+    schema's database, or a row whose contents the tuner never writes."""
+
+
+__all__ += ["TuneDatabaseError"]

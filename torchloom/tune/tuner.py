@@ -13,6 +13,14 @@ records on a fresh model at a point of the space. The tuner
 4. commits every record to the database at once; on a restart with the same database and
    study, finished trials are loaded and their points are never evaluated again.
 
+What it resumes, it checks: a study is keyed by the fingerprint of the model and the space
+(:mod:`~torchloom.tune.fingerprint`), so rows of another model or space are never read;
+and a stored row is used only if its recipe is, text for text, the recipe the schedule
+function records at its point now. A row that differs (the schedule function changed, or
+the row was edited by hand) is not resumed and not shown: its point runs again and the
+row is replaced (``TuneResult.discarded`` counts them). Nothing read from the file is run:
+the recipes evaluated are the ones the schedule function records in this process.
+
 >>> import torch, torchloom as tl
 >>> from torch import nn
 >>> space = Space()
@@ -48,6 +56,7 @@ from ..recipe import Recipe
 from ..schedule import Schedule, create_schedule
 from .database import Database, TrialRecord
 from .errors import TuneError
+from .fingerprint import study_fingerprint
 from .evaluate import Evaluator, Result, describe_exception
 from .memory import CostModel, MemoryEstimate, fake_mode
 from .space import Point, Space, point_key
@@ -69,6 +78,11 @@ class TuneResult:
         evaluations: how many times ``evaluate`` was called in this run.
         resumed: how many finished trials were read from the database instead of run.
         seconds: wall time of the run.
+        discarded: stored rows of this study whose recipe was not the schedule function's
+            (run again and replaced, not resumed).
+        trusted_refs: the functions and classes the candidates of this run hold, by
+            reference text (what :attr:`best_recipe` may resolve besides torch, torchloom
+            and transformers module classes).
     """
 
     best: TrialRecord | None
@@ -76,13 +90,16 @@ class TuneResult:
     evaluations: int = 0
     resumed: int = 0
     seconds: float = 0.0
+    discarded: int = 0
+    trusted_refs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def best_recipe(self) -> Recipe | None:
-        """The best candidate's recipe."""
+        """The best candidate's recipe, parsed as untrusted data
+        (:meth:`~torchloom.Recipe.from_json` with :attr:`trusted_refs`)."""
         if self.best is None or self.best.recipe is None:
             return None
-        return Recipe.from_json(self.best.recipe)
+        return Recipe.from_json(self.best.recipe, trusted_refs=self.trusted_refs)
 
     @property
     def pruned(self) -> list[TrialRecord]:
@@ -103,11 +120,21 @@ class Tuner:
         cost_model: a :class:`~torchloom.tune.CostModel`, or any
             ``(recipe, point) -> MemoryEstimate | bytes``; None: no pruning.
         budget_bytes: the memory per rank a candidate may use; None: no pruning.
-        db: a :class:`Database`, a file path, or None (an in-memory database).
-        study: the study name in the database (runs of different models may share a file).
+        db: a :class:`Database`, a file path, or None (an in-memory database). A
+            :class:`Database` made without a fingerprint is bound to this tuner's.
+        study: the study name in the database (runs of different models may share a file;
+            rows are also keyed by :attr:`fingerprint`).
         prefilter: predict every point before running any, so all pruned points are known
             (and recorded) up front.
         on_trial: called as ``on_trial(record, resumed)`` after each trial is known.
+
+    Attributes:
+        fingerprint: the study's fingerprint (the model built by ``make_model`` and the
+            space; :func:`~torchloom.tune.fingerprint.study_fingerprint`).
+
+    Raises:
+        TuneError: ``db`` is a :class:`Database` bound to another fingerprint.
+        TuneDatabaseError: ``db`` is a file that is not a torchloom tuner database.
     """
 
     def __init__(
@@ -130,16 +157,32 @@ class Tuner:
         self.evaluate = evaluate
         self.cost_model = cost_model
         self.budget_bytes = budget_bytes
-        self.db = db if isinstance(db, Database) else Database(db or ":memory:", study)
+        self.fingerprint = study_fingerprint(make_model, space)
+        if isinstance(db, Database):
+            if db.fingerprint is None:
+                db.fingerprint = self.fingerprint
+            elif db.fingerprint != self.fingerprint:
+                raise TuneError(
+                    "the database is bound to another study fingerprint than this tuner's "
+                    "model and space", primitive="Tuner",
+                    values={"database": db.fingerprint[:16], "tuner": self.fingerprint[:16]},
+                    fix="pass Database(path, study) without a fingerprint, or the path itself")
+            self.db = db
+        else:
+            self.db = Database(db or ":memory:", study, fingerprint=self.fingerprint)
         self.prefilter = prefilter
         self.on_trial = on_trial
         self._records: dict[str, TrialRecord] = {r.key: r for r in self.db.load()}
-        self._stored = set(self._records)  # keys read from the database at start
+        self._stored = set(self._records)  # keys read from the database, not yet checked
+        self._candidates: dict[str, Recipe] = {}
+        self._trusted_refs: dict[str, Any] = {}
         self._predicted: dict[str, int | None] = {}
         self._used: dict[str, TrialRecord] = {}
         self._points: set[str] | None = None
         self.evaluations = 0
         self.resumed = 0
+        self.discarded = 0
+        self._resumable: set[str] = set()  # stored rows whose recipe was checked
 
     def close(self) -> None:
         """Close the database (every trial in it is committed already)."""
@@ -159,6 +202,9 @@ class Tuner:
             self.schedule_fn(sch, dict(point))
         try:
             text = sch.recipe.to_json()
+            trusted = sch.recipe.references()  # what this process's schedule function used
+            self._trusted_refs.update(trusted)
+            return Recipe.from_json(text, trusted_refs=trusted)
         except RecipeError as exc:
             raise TuneError(
                 "a candidate recipe must be data, to be stored and replayed: "
@@ -167,7 +213,29 @@ class Tuner:
                 values={"point": dict(point), **exc.values},
                 fix=exc.fix,
             ) from exc
-        return Recipe.from_json(text)
+
+    def _candidate(self, point: Mapping[str, Any]) -> Recipe:
+        """:meth:`candidate`, computed once per point."""
+        key = point_key(point)
+        if key not in self._candidates:
+            self._candidates[key] = self.candidate(point)
+        return self._candidates[key]
+
+    def _known(self, point: Mapping[str, Any]) -> TrialRecord | None:
+        """The record of ``point``: one written in this run, or a stored row whose recipe
+        is the candidate's (checked once); a stored row that differs is dropped."""
+        key = point_key(point)
+        record = self._records.get(key)
+        if record is None or key not in self._stored:
+            return record
+        if record.recipe == self._candidate(point).to_json(indent=None):
+            self._stored.discard(key)
+            self._resumable.add(key)
+            return record
+        del self._records[key]  # not this schedule's row: run the point again
+        self._stored.discard(key)
+        self.discarded += 1
+        return None
 
     def predict(self, recipe: Recipe, point: Mapping[str, Any]) -> int | None:
         """The cost model's predicted peak in bytes, or None without a cost model."""
@@ -217,11 +285,11 @@ class Tuner:
         """The predicted peak of ``point``, computed once per point (and kept in the DB)."""
         key = point_key(point)
         if key not in self._predicted:
-            known = self._records.get(key)
+            known = self._known(point)
             if known is not None and known.predicted_memory_bytes is not None:
                 self._predicted[key] = known.predicted_memory_bytes
             else:
-                self._predicted[key] = self.predict(recipe or self.candidate(point), point)
+                self._predicted[key] = self.predict(recipe or self._candidate(point), point)
         return self._predicted[key]
 
     def trial(self, point: Mapping[str, Any]) -> TrialRecord:
@@ -230,19 +298,19 @@ class Tuner:
         point = dict(point)
         self._check_point(point)
         key = point_key(point)
-        known = self._records.get(key)
+        known = self._known(point)
         if known is not None and known.finished:
-            return self._publish(known, resumed=key in self._stored)
+            return self._publish(known, resumed=key in self._resumable)
         stored = key in self._predicted or (known is not None
                                             and known.predicted_memory_bytes is not None)
-        recipe = None if stored or self.cost_model is None else self.candidate(point)
+        recipe = None if stored or self.cost_model is None else self._candidate(point)
         predicted = self._prediction(point, recipe)
         if self._over_budget(predicted):
             assert predicted is not None
             if known is None or known.status != "pruned":
-                known = self._prune_record(point, predicted, recipe or self.candidate(point))
-            return self._publish(known, resumed=key in self._stored)
-        recipe = recipe or self.candidate(point)
+                known = self._prune_record(point, predicted, recipe or self._candidate(point))
+            return self._publish(known, resumed=key in self._resumable)
+        recipe = recipe or self._candidate(point)
         start = time.perf_counter()
         try:
             result = self.evaluate(recipe, point)
@@ -272,7 +340,7 @@ class Tuner:
                 for record in [self.trial(point)]]
 
     def _finished(self, point: Point) -> bool:
-        known = self._records.get(point_key(point))
+        known = self._known(point)
         return known is not None and known.finished
 
     # ----------------------------------------------------------------- run
@@ -289,7 +357,8 @@ class Tuner:
         ok = [r for r in records if r.status == "ok"]
         best = max(ok, key=lambda r: r.throughput) if ok else None
         return TuneResult(best=best, records=records, evaluations=self.evaluations,
-                          resumed=self.resumed, seconds=time.perf_counter() - start)
+                          resumed=self.resumed, seconds=time.perf_counter() - start,
+                          discarded=self.discarded, trusted_refs=dict(self._trusted_refs))
 
 
 def tune(

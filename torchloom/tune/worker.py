@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..collectives import guard_collective
 from ..recipe import Recipe, import_ref, ref_of
 from .errors import TuneError
 from .evaluate import Result, TrainEvaluator, describe_exception
@@ -113,7 +114,8 @@ class TorchrunEvaluator:
             spec.write_text(json.dumps({
                 "make_model": self.make_model, "make_model_kwargs": self.make_model_kwargs,
                 "make_inputs": self.make_inputs, "make_inputs_kwargs": self.make_inputs_kwargs,
-                "recipe": recipe.to_json(), "point": dict(point), "steps": self.steps,
+                "recipe": recipe.to_json(), "trusted_refs": sorted(recipe.references()),
+                "point": dict(point), "steps": self.steps,
                 "warmup": self.warmup, "memory_limit_bytes": self.memory_limit_bytes,
                 "seed": self.seed,
             }))
@@ -154,11 +156,17 @@ def _worker(spec_path: str, out_path: str) -> None:
 
         evaluator = TrainEvaluator(model_factory, inputs_factory, steps=spec["steps"],
                                    warmup=spec["warmup"], seed=spec["seed"])
-        result = evaluator(Recipe.from_json(spec["recipe"]), spec["point"])
+        # The spec is written by TorchrunEvaluator into its own private temporary folder,
+        # and its factories are imported anyway: the references the parent's recipe holds
+        # are imported as the factories are; any other reference follows the usual rules.
+        trusted = {ref: import_ref(ref) for ref in spec.get("trusted_refs", [])}
+        recipe = Recipe.from_json(spec["recipe"], trusted_refs=trusted)
+        result = evaluator(recipe, spec["point"])
         peak = result.peak_memory_bytes or 0
         if distributed:
             t = torch.tensor([peak], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            with guard_collective("all_reduce", "tune"):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
         limit = spec["memory_limit_bytes"]
         ok, error = result.ok, result.error
