@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -158,3 +159,132 @@ def test_tensor_forward_unchanged_by_making_a_schedule():
     before = model(ids).logits
     tl.create_schedule(model)
     assert torch.equal(model(ids).logits, before)
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def _built_mlp() -> tuple[tl.Schedule, nn.Module]:
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4))
+    sch = tl.create_schedule(model)
+    sch["0"].annotate("weight", "tag", 1)
+    assert not sch.built
+    tl.build(sch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return sch, model
+
+
+# Arguments that would be valid before build for each primitive (the refusal comes first).
+_CALLS = {
+    "annotate": ("0", ("weight", "other", 2), {}),
+    "checkpoint": ("2", (), {}),
+    "compile": ("2", ("eager",), {}),
+    "cut_pipeline_stage": ("0", (), {}),
+    "decompose": ("0", (), {}),
+    "fork_rng": ("1", (), {}),
+    "fuse": ("", ([],), {}),
+    "replace": ("1", (nn.ReLU(),), {}),
+    "replace_all": ("", (nn.GELU, lambda path, old: nn.ReLU()), {}),
+    "shard": ("0", ("weight", 0), {}),
+    "sync": ("0", ("bwd_post", "all_reduce"), {}),
+    "trace": ("", (), {}),
+    "trace_until": ("", ("1",), {}),
+}
+
+
+def test_every_primitive_is_refused_on_a_built_schedule():
+    assert set(_CALLS) == set(tl.list_primitives())
+    for name, (path, args, kwargs) in _CALLS.items():
+        sch, model = _built_mlp()
+        assert sch.built and sch["0"].built
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(tl.ScheduleError, match=re.escape(
+                f"sch[{path!r}].{name}(...): this schedule was already built; {name} after "
+                "build would not reach the model build returned")) as info:
+            getattr(sch[path], name)(*args, **kwargs)
+        assert "fix: apply every primitive before torchloom.build(sch)" in str(info.value)
+        assert [e.primitive for e in sch.recipe] == ["annotate"], name  # nothing recorded
+        assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Linear"], name
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), name
+        assert not hasattr(model[0], "_torchloom_syncs"), name
+    # reading a built schedule is fine
+    assert "0" in sch and sch["0"].mod is model[0] and "annotate('weight', 'tag', 1)" in str(sch)
+
+
+def test_a_built_schedule_replayed_on_a_fresh_model_takes_primitives_again():
+    sch, _ = _built_mlp()
+    fresh = tl.apply_recipe(nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4)),
+                            sch.recipe)
+    assert not fresh.built
+    fresh["2"].checkpoint()
+    assert [e.primitive for e in fresh.recipe] == ["annotate", "checkpoint"]
+
+
+def test_the_same_sync_twice_is_refused_and_a_different_input_is_not():
+    model = nn.Sequential(nn.Linear(4, 4))
+    sch = tl.create_schedule(model)
+    sch["0"].sync("bwd_post", "all_reduce")
+    with pytest.raises(tl.SyncError, match=re.escape(
+            "sch['0'].sync(...): Linear already has this sync (bwd_post all_reduce)")):
+        sch["0"].sync("bwd_post", "all_reduce")
+    assert [s.describe() for s in model[0]._torchloom_syncs] == ["bwd_post all_reduce"]
+    assert len(model[0]._forward_pre_hooks) == 1  # the second was never installed
+    # another mode, or another named input of the same module, is a different sync
+    sch["0"].sync("fwd_post", "all_reduce")
+    sch["0"].sync("bwd_post", "all_reduce", input_name="input")
+    with pytest.raises(tl.SyncError, match=r"(?s)already has this sync \(bwd_post all_reduce\).*"
+                       r"input_name='input'"):
+        sch["0"].sync("bwd_post", "all_reduce", input_name="input")
+    # user hooks are not compared: two may be meant
+    sch["0"].sync("fwd_post", lambda m, a, o: None)
+    sch["0"].sync("fwd_post", lambda m, a, o: None)
+    assert len(sch.recipe) == 5
+
+
+def test_replace_all_takes_a_one_argument_factory_too():
+    def one(old: nn.Module) -> nn.Module:
+        return nn.Tanh()
+
+    seen: list[str] = []
+
+    def two(path: str, old: nn.Module) -> nn.Module:
+        seen.append(path)
+        return nn.ReLU()
+
+    model = nn.Sequential(nn.GELU(), nn.Sequential(nn.GELU()), nn.SiLU())
+    sch = tl.create_schedule(model)
+    sch.replace_all(nn.GELU, one)
+    assert [type(m).__name__ for m in model.modules()] == \
+        ["Sequential", "Tanh", "Sequential", "Tanh", "SiLU"]
+    sch.replace_all(nn.Tanh, two)
+    assert seen == ["0", "1.0"]
+    assert torch.equal(model(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0 * torch.sigmoid(
+        torch.tensor(2.0)).item()]))
+    # a factory that fits neither form is refused before anything is replaced
+    with pytest.raises(tl.ReplaceError, match=re.escape("make_mod_fn takes (a, b, c)")):
+        sch.replace_all(nn.SiLU, lambda a, b, c: nn.ReLU())
+    assert isinstance(model[2], nn.SiLU)
+
+
+def test_annotate_refuses_to_overwrite_a_tag_with_another_value():
+    model = nn.Sequential(nn.Linear(2, 2))
+    sch = tl.create_schedule(model)
+    sch["0"].annotate("weight", "placement", "colwise")
+    sch["0"].annotate("weight", "placement", "colwise")  # the same value changes nothing
+    with pytest.raises(tl.AnnotateError, match=r"'weight' already has the tag 'placement' with "
+                       r"another value\n    values: .*old=\"'colwise'\", new=\"'rowwise'\""):
+        sch["0"].annotate("weight", "placement", "rowwise")
+    assert model[0].weight.placement == "colwise" and tl.get_meta(model[0].weight).tags == {
+        "placement": "colwise"}
+    with pytest.raises(tl.AnnotateError, match="another value"):  # 1 and True differ in type
+        sch["0"].annotate("weight", "flag", 1) or sch["0"].annotate("weight", "flag", True)
+    # an attribute set on the tensor by other code is protected too
+    model[0].bias.sequence_parallel = True
+    with pytest.raises(tl.AnnotateError, match="'bias' already has the tag 'sequence_parallel'"):
+        sch["0"].annotate("bias", "sequence_parallel", False)
+    sch["0"].annotate("weight", "placement", "rowwise", overwrite=True)
+    sch["*"].annotate("bias", "sequence_parallel", False, overwrite=True)
+    assert model[0].weight.placement == "rowwise" and model[0].bias.sequence_parallel is False
+    assert str(sch.recipe).endswith(
+        "sch['0'].annotate('weight', 'placement', 'rowwise', overwrite=True)\n"
+        "sch['0'].annotate('bias', 'sequence_parallel', False, overwrite=True)")

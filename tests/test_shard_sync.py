@@ -57,13 +57,48 @@ def test_embedding_and_conv1d_attributes():
     assert model.transformer.h[0].mlp.c_proj.nx == 64
 
 
-def test_shard_keeps_tied_weights_tied():
+def test_shard_of_a_tied_tensor_is_refused_naming_the_tie():
     model = tiny.gpt2()
-    assert model.lm_head.weight is model.transformer.wte.weight
+    full = model.lm_head.weight.detach().clone()
     sch = tl.create_schedule(model)
-    sch["transformer.wte"].shard("weight", 0)
+    _fake_world(sch["lm_head"], 2, 1)
+    with pytest.raises(tl.ShardError) as info:
+        sch["lm_head"].shard("weight", 0)
+    assert str(info.value) == (
+        "sch['lm_head'].shard(...): 'weight' is tied to 'transformer.wte.weight' (one tensor "
+        "used in both places): sharding it here would shard it there too\n"
+        "    values: param_name='weight', axis=0, tied_to=['transformer.wte.weight']\n"
+        "    fix: shard every use of the tied tensor alike (Megatron's tied embedding and head: "
+        "one vocab-parallel table): sch['lm_head'].shard('weight', 0, tied=True); or build "
+        "the model untied (transformers: config.tie_word_embeddings = False)")
+    # nothing changed: both modules still hold the one full tensor
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert tl.shard_spec(model.lm_head.weight).axis == 0
+    assert torch.equal(model.lm_head.weight, full) and tl.shard_spec(full) is None
+    assert len(sch.recipe) == 0
+
+
+def test_shard_tied_true_shards_every_use_alike_and_says_so_in_the_recipe():
+    model = tiny.gpt2()
+    full = model.lm_head.weight.detach().clone()
+    sch = tl.create_schedule(model)
+    _fake_world(sch["lm_head"], 2, 1)
+    sch["lm_head"].shard("weight", 0, tied=True)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still one tensor
+    assert torch.equal(model.lm_head.weight, full[64:])  # rank 1's vocabulary rows
+    assert tl.shard_spec(model.transformer.wte.weight) == tl.ShardSpec(0, (128, 32), 2, 1)
+    assert model.lm_head.out_features == 64 and model.transformer.wte.num_embeddings == 64
+    assert "sch['lm_head'].shard('weight', 0, tied=True)" in str(sch.recipe)
+    # an untied tensor accepts tied=True (one recipe for tied and untied configs)
+    sch["transformer.wpe"].shard("weight", 1, tied=True)
+    assert tl.shard_spec(model.transformer.wpe.weight).axis == 1
+
+
+def test_tied_shard_recipe_round_trips_and_replays():
+    sch = tl.create_schedule(tiny.gpt2())
+    sch["lm_head"].shard("weight", 0, tied=True)
+    sch["transformer.h.0.mlp.c_fc"].annotate("weight", "note", 1)
+    sch["transformer.h.0.mlp.c_fc"].annotate("weight", "note", 2, overwrite=True)
+    verify_recipe_roundtrip(sch, tiny.gpt2, (tiny.token_batch()["input_ids"],))
 
 
 def test_shard_buffer_and_meta_tensor():

@@ -115,6 +115,8 @@ class Schedule:
         if parent is None:
             self._recipe = Recipe()
             self._recording_depth = 0
+            self._built = False  # set by build(), with the target it built for
+            self._built_target: str | None = None
         self.rebuild_children()
 
     # ------------------------------------------------------------------ tree
@@ -247,6 +249,35 @@ class Schedule:
 
         return render_tree(self)
 
+    # ------------------------------------------------------------------ built or not
+
+    @property
+    def built(self) -> bool:
+        """Whether :func:`torchloom.build` has built this schedule (its root); a built
+        schedule takes no more primitives."""
+        return self.root._built
+
+    def _refuse_if_built(self, primitive: str) -> None:
+        """Raise when ``primitive`` is called (outermost, not from inside another
+        primitive) on a schedule that ``build`` has built: the parameters it creates or
+        replaces would not be in the optimizer, the data-parallel wrapper or the pipeline
+        stages that build made. Called by every primitive (``recorded``, ``_record``)."""
+        root = self.root
+        if not root._built or root._recording_depth > 0:
+            return
+        raise ScheduleError(
+            f"this schedule was already built; {primitive} after build would not reach the "
+            "model build returned (its optimizer, data-parallel wrapper or pipeline stages "
+            "hold the parameters as they were)",
+            path=self.path,
+            primitive=primitive,
+            values={"primitive": primitive, "built_for_target": root._built_target},
+            fix="apply every primitive before torchloom.build(sch); to change a built "
+            "model's schedule, replay it on a fresh model and build that: "
+            "sch = torchloom.apply_recipe(make_model(), old_sch.recipe); "
+            f"sch[{self.path!r}].{primitive}(...); model, opt = torchloom.build(sch)",
+        )
+
     # ------------------------------------------------------------------ primitives
 
     def _record(self, primitive: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -255,6 +286,7 @@ class Schedule:
         ``recorded`` decorator does, for primitives whose arguments are recorded in another
         form than they were given: matches are recorded as pattern references)."""
         root = self.root
+        self._refuse_if_built(primitive)
         root._recording_depth += 1
         try:
             run()
@@ -291,16 +323,19 @@ class Schedule:
 
     @recorded
     def replace_all(
-        self, module_type: type[nn.Module], make_mod_fn: Callable[[str, nn.Module], nn.Module]
+        self, module_type: type[nn.Module], make_mod_fn: Callable[..., nn.Module]
     ) -> None:
-        """Replace every sub-module of a type; see :mod:`torchloom.primitives.replace_all`."""
+        """Replace every sub-module of a type with ``make_mod_fn(path, old)`` (or
+        ``make_mod_fn(old)``); see :mod:`torchloom.primitives.replace_all`."""
         _replace_all.apply(self, module_type, make_mod_fn)
 
     @recorded
-    def shard(self, param_name: str, axis: int, chunks: int = 1) -> None:
+    def shard(self, param_name: str, axis: int, chunks: int = 1, *, tied: bool = False
+              ) -> None:
         """Keep this rank's slice of a parameter or buffer; see
-        :mod:`torchloom.primitives.shard`."""
-        _shard.apply(self, param_name, axis, chunks)
+        :mod:`torchloom.primitives.shard` (``tied=True`` to shard a tensor tied to other
+        modules, every one of them alike)."""
+        _shard.apply(self, param_name, axis, chunks, tied=tied)
 
     @recorded
     def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
@@ -316,9 +351,11 @@ class Schedule:
                      lambda: _checkpoint.apply(self, ratio=ratio, subgraph=subgraph))
 
     @recorded
-    def annotate(self, param_name: str, key: str, value: Any) -> None:
-        """Tag a parameter; see :mod:`torchloom.primitives.annotate`."""
-        _annotate.apply(self, param_name, key, value)
+    def annotate(self, param_name: str, key: str, value: Any, *, overwrite: bool = False
+                 ) -> None:
+        """Tag a parameter; see :mod:`torchloom.primitives.annotate` (``overwrite=True``
+        to change a tag that holds another value)."""
+        _annotate.apply(self, param_name, key, value, overwrite=overwrite)
 
     @recorded
     def fork_rng(self) -> None:
@@ -469,16 +506,18 @@ class ScheduleGroup:
         self._apply("replace", new_mod_or_fn, **kwargs)
 
     def replace_all(self, module_type: type[nn.Module],
-                    make_mod_fn: Callable[[str, nn.Module], nn.Module]) -> None:
+                    make_mod_fn: Callable[..., nn.Module]) -> None:
         """``replace_all`` below every node."""
         self._apply("replace_all", module_type, make_mod_fn)
 
-    def shard(self, param_name: str, axis: int, chunks: int = 1) -> None:
+    def shard(self, param_name: str, axis: int, chunks: int = 1, *, tied: bool = False
+              ) -> None:
         """``shard`` on every node."""
+        kwargs = {"tied": True} if tied else {}
         if chunks == 1:
-            self._apply("shard", param_name, axis)
+            self._apply("shard", param_name, axis, **kwargs)
         else:
-            self._apply("shard", param_name, axis, chunks)
+            self._apply("shard", param_name, axis, chunks, **kwargs)
 
     def sync(self, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
         """``sync`` on every node."""
@@ -495,9 +534,11 @@ class ScheduleGroup:
         """``decompose`` on every node."""
         self._apply("decompose")
 
-    def annotate(self, param_name: str, key: str, value: Any) -> None:
+    def annotate(self, param_name: str, key: str, value: Any, *, overwrite: bool = False
+                 ) -> None:
         """``annotate`` on every node."""
-        self._apply("annotate", param_name, key, value)
+        kwargs = {"overwrite": True} if overwrite else {}
+        self._apply("annotate", param_name, key, value, **kwargs)
 
     def fork_rng(self) -> None:
         """``fork_rng`` on every node."""

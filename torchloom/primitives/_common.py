@@ -13,7 +13,7 @@ from ..errors import PathError
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-__all__ = ["ForwardWrapper", "find_tensor", "owners_of"]
+__all__ = ["ForwardWrapper", "find_tensor", "owners_of", "tied_names"]
 
 
 def find_tensor(sch: Schedule, name: str, primitive: str) -> tuple[nn.Module, str, torch.Tensor, bool]:
@@ -56,6 +56,19 @@ def owners_of(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, st
             if value is tensor:
                 slots.append((module, attr, False))
     return slots
+
+
+def tied_names(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, str, str]]:
+    """``(module, attribute, dotted name in root)`` of every slot in ``root`` that holds
+    ``tensor``; more than one means the tensor is tied (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``). A module registered at two paths counts once."""
+    found = []
+    for path, module in root.named_modules():
+        for store in (module._parameters, module._buffers):
+            for attr, value in store.items():
+                if value is tensor:
+                    found.append((module, attr, f"{path}.{attr}" if path else attr))
+    return found
 
 
 class ForwardWrapper:

@@ -2,13 +2,16 @@
 
 Walks the nodes below (and including) this one, as they were before the call, and for
 each whose module is an instance of ``module_type`` installs
-``make_mod_fn(path, old_module)`` with :mod:`~torchloom.primitives.replace` semantics
+``make_mod_fn(path, old_module)`` (or ``make_mod_fn(old_module)`` for a function of one
+argument, as ``replace`` takes) with :mod:`~torchloom.primitives.replace` semantics
 (hooks and mode carried over). ``path`` is relative to this node. Modules created by the
 factory are not visited again. The call is recorded once in the recipe.
 
 Preconditions:
     * ``module_type`` is a subclass of ``nn.Module``;
     * at least one node matches (nothing is silently skipped);
+    * ``make_mod_fn`` can be called as ``fn(path, module)`` (preferred when both fit) or
+      ``fn(module)``; any other signature is refused before anything is replaced;
     * ``make_mod_fn`` returns an ``nn.Module``.
 
 Before / after:
@@ -24,6 +27,7 @@ Before / after:
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
@@ -40,7 +44,7 @@ NAME = "replace_all"
 def apply(
     sch: Schedule,
     module_type: type[nn.Module],
-    make_mod_fn: Callable[[str, nn.Module], nn.Module],
+    make_mod_fn: Callable[[str, nn.Module], nn.Module] | Callable[[nn.Module], nn.Module],
 ) -> None:
     """Replace each module below ``sch`` that is a ``module_type``."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
@@ -63,5 +67,41 @@ def apply(
                     "types_present": sorted(present)[:12]},
             fix="check the class (transformers models often use their own subclasses)",
         )
+    takes_path = _takes_path(sch, make_mod_fn)
     for path, node in matches:
-        node.replace(lambda old, _path=path: make_mod_fn(_path, old))
+        if takes_path:
+            node.replace(lambda old, _path=path: make_mod_fn(_path, old))
+        else:
+            node.replace(lambda old: make_mod_fn(old))
+
+
+def _takes_path(sch: Schedule, fn: Callable[..., nn.Module]) -> bool:
+    """Whether ``fn`` is called as ``fn(path, module)`` (True) or ``fn(module)`` (False);
+    raises before any replacement when it is neither."""
+    if not callable(fn) or isinstance(fn, nn.Module):
+        raise ReplaceError(
+            f"make_mod_fn must be a function (path, old_module) -> new_module, not a "
+            f"{type(fn).__name__}",
+            path=sch.path, primitive=NAME, values={"make_mod_fn": type(fn).__name__},
+            fix="sch.replace_all(nn.GELU, lambda path, old: MyGelu()); one module instance "
+            "cannot sit at several places",
+        )
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True  # not inspectable (a builtin): the documented form
+    for args, takes_path in ((("path", None), True), ((None,), False)):
+        try:
+            sig.bind(*args)
+        except TypeError:
+            continue
+        return takes_path
+    raise ReplaceError(
+        f"make_mod_fn takes {sig}, but it is called as fn(path, old_module) or "
+        "fn(old_module)",
+        path=sch.path, primitive=NAME,
+        values={"make_mod_fn": getattr(fn, "__qualname__", type(fn).__name__),
+                "signature": str(sig)},
+        fix="def make(path, old): return MyModule(...)  # or lambda old: MyModule(...); "
+        "then sch.replace_all(module_type, make)",
+    )

@@ -16,7 +16,16 @@ Preconditions:
     * ``param_name`` names a parameter or buffer of this node's module;
     * ``-ndim <= axis < ndim``;
     * the tensor was not sharded before (shard each tensor once);
+    * the tensor is not tied to another module, or ``tied=True``;
     * ``size[axis]`` is divisible by the world size.
+
+A tensor *tied* to other modules (GPT-2's ``lm_head.weight`` is
+``transformer.wte.weight``) is one tensor: slicing it for one module slices it for all.
+``shard`` therefore refuses it, naming the other paths, unless ``tied=True`` is given;
+then every slot receives the same slice (and its module's size attributes are updated),
+the layout Megatron-LM uses for a tied embedding and output head (one vocab-parallel
+table, axis 0), and the recipe line records ``tied=True``. ``tied=True`` on an untied
+tensor is accepted (a recipe can serve a tied and an untied config).
 
 ``chunks=k`` treats the axis as ``k`` equal blocks split separately, so a fused q/k/v
 projection keeps ``[q_r | k_r | v_r]`` on rank r (its heads of each); the spec records
@@ -41,7 +50,7 @@ from torch import nn
 
 from ..errors import ShardError
 from ..meta import ShardSpec, copy_meta, get_meta, shard_spec
-from ._common import find_tensor, owners_of
+from ._common import find_tensor, owners_of, tied_names
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -82,9 +91,34 @@ def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: in
         return
 
 
-def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1) -> None:
+def _check_tie(sch: Schedule, param_name: str, axis: int, owner: nn.Module, attr: str,
+               tensor: torch.Tensor, tied: bool) -> None:
+    if not isinstance(tied, bool):
+        raise ShardError(
+            f"tied must be True or False, not {tied!r}",
+            path=sch.path, primitive=NAME, values={"param_name": param_name, "tied": tied},
+            fix=f"sch[{sch.path!r}].shard({param_name!r}, {axis!r}, tied=True)",
+        )
+    others = [name for module, slot, name in tied_names(sch.root.mod, tensor)
+              if not (module is owner and slot == attr)]
+    if others and not tied:
+        raise ShardError(
+            f"{param_name!r} is tied to {', '.join(repr(o) for o in others)} (one tensor used "
+            "in both places): sharding it here would shard it there too",
+            path=sch.path,
+            primitive=NAME,
+            values={"param_name": param_name, "axis": axis, "tied_to": others},
+            fix="shard every use of the tied tensor alike (Megatron's tied embedding and "
+            "head: one vocab-parallel table): "
+            f"sch[{sch.path!r}].shard({param_name!r}, {axis!r}, tied=True); or build the "
+            "model untied (transformers: config.tie_word_embeddings = False)",
+        )
+
+
+def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
+          tied: bool = False) -> None:
     """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank (each of ``chunks``
-    equal blocks separately)."""
+    equal blocks separately); a tensor tied to other modules only with ``tied=True``."""
     owner, attr, tensor, is_param = find_tensor(sch, param_name, NAME)
     ndim = tensor.dim()
     if not isinstance(axis, int) or not -ndim <= axis < max(ndim, 1):
@@ -107,6 +141,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1) -> None:
             fix="shard each tensor once; for a different layout, rebuild the schedule "
             "from a fresh model",
         )
+    _check_tie(sch, param_name, axis, owner, attr, tensor, tied)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ShardError(
             f"chunks must be a positive integer, not {chunks!r}",

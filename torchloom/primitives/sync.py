@@ -61,7 +61,10 @@ With a world of one every collective is the identity.
 Preconditions:
     * ``mode`` is one of the four modes and the op is allowed in that mode;
     * gather/scatter ops get an integer ``axis``;
-    * unknown keyword arguments are rejected.
+    * unknown keyword arguments are rejected;
+    * a module gets each (mode, op) once (per ``input_name``): a second
+      ``sync("bwd_post", "all_reduce")`` would sum the gradient twice. User callables
+      are not compared (several hooks may be meant).
 
 Before / after (a world of one, so values do not change):
 
@@ -149,6 +152,18 @@ def _op_fn(spec: SyncSpec, group: Any) -> Callable[[torch.Tensor], torch.Tensor]
     if spec.op == "reduce_scatter":
         return lambda x: C.reduce_scatter(x, axis, group)
     return lambda x: C.scatter(x, axis, group)
+
+
+def _at_site(op: Callable[[torch.Tensor], torch.Tensor],
+             path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``op`` with its collectives named after the schedule path ``path``, so that a failed
+    or timed-out one raises a CollectiveTimeoutError saying which module was in flight."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with C.collective_site(path, NAME):
+            return op(x)
+
+    return run
 
 
 def _input_position(sch: Schedule, input_name: str) -> int | None:
@@ -250,7 +265,7 @@ def _install_param_grad_sync(sch: Schedule, op: str) -> None:
     for param in params:
         # A tensor hook sees this backward's contribution before it is accumulated into
         # .grad, so gradient accumulation over micro-batches stays correct.
-        param.register_hook(lambda grad: C.all_reduce_raw(grad, group))
+        param.register_hook(_at_site(lambda grad: C.all_reduce_raw(grad, group), sch.path))
 
 
 def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpec | None:
@@ -364,9 +379,32 @@ def _check_output_placement(sch: Schedule, op: str, axis: int | None) -> None:
         )
 
 
+def _check_not_twice(sch: Schedule, spec: SyncSpec) -> None:
+    """Refuse a second sync of the same mode and operation (and the same input) on one
+    module: it would run the collective twice (a gradient summed twice)."""
+    for previous in getattr(sch.mod, "_torchloom_syncs", []):
+        if (previous.mode, previous.op, previous.input_name) != \
+                (spec.mode, spec.op, spec.input_name):
+            continue
+        input_kw = f", input_name={spec.input_name!r}" if spec.input_name is not None else ""
+        raise SyncError(
+            f"{type(sch.mod).__name__} already has this sync ({previous.describe()}); a "
+            "second one would run the collective twice (a sum taken twice is multiplied "
+            "by the world size)",
+            path=sch.path, primitive=NAME,
+            values={"mode": spec.mode, "op": spec.op, "input_name": spec.input_name,
+                    "syncs": [s.describe() for s in sch.mod._torchloom_syncs]},
+            fix=f"apply sch[{sch.path!r}].sync({spec.mode!r}, {spec.op!r}{input_kw}) once "
+            "per module (a built-in schedule may already have added it: print(sch[path]) "
+            "lists the syncs); a different input of the same module takes input_name=...",
+        )
+
+
 def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
     """Install the communication described by ``mode`` and ``sync_op_or_fn`` on ``sch.mod``."""
     spec = _check(sch, mode, sync_op_or_fn, kwargs)
+    if spec is not None:
+        _check_not_twice(sch, spec)
     module = sch.mod
     if spec is None:  # a user hook
         fn = sync_op_or_fn
@@ -378,7 +416,7 @@ def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **k
         else:
             module.register_full_backward_hook(fn)
     else:
-        op = _op_fn(spec, sch.group)
+        op = _at_site(_op_fn(spec, sch.group), sch.path)
         if mode == "param_grad":
             _install_param_grad_sync(sch, spec.op)
         elif mode == "fwd_post" and spec.op in ("all_reduce", "reduce_scatter") and \
