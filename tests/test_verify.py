@@ -134,12 +134,20 @@ def test_a_schedule_that_crashes_is_named_by_module():
             sch["0"].replace(nn.Linear(4, 6))
 
 
-def test_meta_models_are_refused():
+def test_meta_models_are_materialised_from_the_seed_and_put_back():
+    # (was refused; issue 14: Verify materialises the reference and the scheduled model as
+    # build does, from the same seed; more in tests/test_meta_trace.py)
     with tl.init_empty_weights():
-        model = nn.Linear(2, 2)
-    with pytest.raises(tl.VerificationError, match="the model has parameters on the meta device"):
-        with tl.Verify(tl.create_schedule(model), (torch.ones(1, 2),)):
-            pass
+        model = nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Linear(2, 2))
+    sch = tl.create_schedule(model)
+    verify = tl.Verify(sch, (torch.ones(1, 2),), rtol=0, atol=0)
+    with verify:
+        sch["1"].checkpoint()
+    assert verify.stats["parameter gradient"] == 4
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(tl.VerificationError, match="the forward output differs"):
+        with tl.Verify(sch, (torch.ones(1, 2),)):
+            sch["1"].replace(nn.ReLU())
 
 
 def test_static_check_alone_in_one_process():

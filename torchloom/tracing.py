@@ -15,9 +15,10 @@ Plain ``torch.fx.symbolic_trace`` fails on transformers 5 attention modules: the
 With ``tracer="auto"`` (the default) torchloom traces with *value-carrying proxies*:
 
 * the module is called once on example inputs (given as ``example_inputs``, or captured by
-  running the root model on its Hugging Face ``dummy_inputs`` with a forward pre-hook on the
-  module, stopped as soon as the module is reached); every proxy carries the value the
-  operation produced, so ``len()``, iteration, ``bool()``, ``int()`` and ``**kwargs`` work;
+  running the root model on :func:`dummy_inputs` made from its config, with a forward
+  pre-hook on the module, stopped as soon as the module is reached); every proxy carries the
+  value the operation produced, so ``len()``, iteration, ``bool()``, ``int()`` and
+  ``**kwargs`` work;
 * sizes stay *symbolic* in the graph (``x.size(1)`` is a node, not a constant), so the graph
   runs on other batch sizes and sequence lengths;
 * Python control flow that depends on a traced value is *specialised* to the branch the
@@ -31,7 +32,22 @@ With ``tracer="auto"`` (the default) torchloom traces with *value-carrying proxi
 * the module is traced in training mode, and the dropout calls in the graph
   (``F.dropout(..., training=True)`` and ``scaled_dot_product_attention(dropout_p=p)``) are
   rewritten to follow the module's ``training`` flag at run time, so ``model.eval()`` still
-  turns dropout off.
+  turns dropout off;
+* the Hugging Face KV cache is traced off (transformers models default to
+  ``use_cache=True``, also in training): a forward with a ``use_cache`` flag is traced with
+  ``use_cache=False`` and its cache arguments (``cache``, ``past_key_values``, ...) as None.
+  At run time ``use_cache`` may be None or False (a traced module never fills or returns a
+  cache). A cache, or ``use_cache=True``, that reaches a traced module in training with
+  gradients is not used, with one warning (as transformers does for a gradient-checkpointed
+  layer), unless it holds past positions for the layer (refused); in eval or without
+  gradients (generation) it is refused by a :class:`~torchloom.errors.TraceGuardError`
+  whose fix is ``use_cache=False``, or an untraced copy of the model for generation;
+* on a model with ``meta`` weights (built under ``init_empty_weights``) the values are
+  ``meta`` tensors, computed again on fake tensors (``FakeTensorMode``) where the code reads
+  a value (transformers then skips its data-dependent checks); nothing is allocated. A
+  Python branch on a value computed from the weights cannot be taken (a
+  :class:`~torchloom.errors.TraceError` says which line); guards on such values are checked
+  when the built model runs.
 
 ``tracer="fx"`` is plain symbolic tracing (no example values, nothing is run): required
 arguments are symbolic, optional ones take their defaults (or ``concrete_args``). It is
@@ -74,12 +90,15 @@ Limits:
   ``example_inputs`` for calls with masks, labels or caches);
 * dtypes reached through ``x.dtype`` stay dynamic, but other Python-level decisions of the
   code (``self.training`` checks other than dropout, layer drop) are taken at trace time;
-* on a model on the ``meta`` device the auto example cannot be captured (transformers'
-  mask code reads tensor values): pass ``example_inputs`` (meta tensors are fine);
-* side effects on Python objects (e.g. a KV cache's bookkeeping) happen once at trace
-  time; ``torch.rand`` and friends called without traced arguments become constants;
+* side effects on Python objects happen once at trace time; ``torch.rand`` and friends
+  called without traced arguments become constants;
 * a module called twice is traced for its first call (the guards reject a different
-  second call); tracing temporarily patches ``torch`` factory functions (not thread-safe).
+  second call).
+
+Threads: a trace keeps no state between calls. torch.fx patches ``nn.Module.__call__``
+(and tracing patches ``torch`` factory functions) process-wide while a trace runs, so
+traces run one at a time under :data:`TRACE_LOCK`, and the patches pass calls from other
+threads through untouched: two threads may schedule two models at once.
 
 >>> import torch
 >>> from torch import nn
@@ -102,6 +121,8 @@ import math
 import operator
 import os
 import sys
+import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -116,15 +137,28 @@ from .errors import TraceError, TraceGuardError
 
 __all__ = [
     "TRACERS",
+    "TRACE_LOCK",
     "TracedGraphModule",
     "is_traced",
     "is_guard",
     "is_leaf",
     "trace_module",
     "example_inputs_for",
+    "dummy_inputs",
+    "value_mode",
+    "fake_values",
+    "meta_values",
+    "on_meta",
 ]
 
 TRACERS = ("auto", "fx")
+
+#: Held while torch.fx traces (here and in :mod:`torchloom.pattern`): ``fx.Tracer.trace``
+#: patches ``nn.Module.__call__`` / ``__getattr__`` and wrapped functions process-wide for
+#: the duration of a trace, so two traces at once in two threads would route each other's
+#: module calls. Traces therefore run one at a time; the tracer's hooks ignore calls made by
+#: other threads, so a thread that only *runs* models is not affected by a trace.
+TRACE_LOCK = threading.RLock()
 _NO_VALUE = object()  # the value of a proxy is unknown (tracer="fx")
 _LEAF_MARK = "_torchloom_leaf"  # a class attribute: torchloom wrappers that stay leaves
 
@@ -143,9 +177,24 @@ def _recorded(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     return None
 
 
+def _unknowable(value: Any) -> bool:
+    """A tensor without values (``meta`` or fake): a guard on it cannot be checked, e.g.
+    while a model built under ``init_empty_weights`` is split into pipeline stages; the
+    guard checks again once the model runs on real tensors."""
+    return isinstance(value, torch.Tensor) and (value.is_meta or _is_fake(value))
+
+
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(value)
+
+
 def _guard_truth(value: Any, expected: bool, where: str) -> None:
     """Raise unless ``bool(value) == expected`` (a branch taken at trace time)."""
     if _recorded(_guard_truth, (value, expected, where)) is not None:
+        return
+    if _unknowable(value):
         return
     if bool(value) != expected:
         raise TraceGuardError(
@@ -161,6 +210,8 @@ def _guard_truth(value: Any, expected: bool, where: str) -> None:
 def _guard_equal(value: Any, expected: Any, where: str) -> None:
     """Raise unless ``value == expected`` (a number or length fixed at trace time)."""
     if _recorded(_guard_equal, (value, expected, where)) is not None:
+        return
+    if _unknowable(value):
         return
     if value != expected:
         raise TraceGuardError(
@@ -196,6 +247,8 @@ def _guard_argument(value: Any, expected: Any, kind: str, name: str, where: str)
     """
     if _recorded(_guard_argument, (value, expected, kind, name, where)) is not None:
         return
+    if kind == "value" and expected is None and is_cache(value):
+        _refuse_cache(value, name, where, "a KV cache", None)
     if kind == "tensor":
         ok = isinstance(value, torch.Tensor)
         seen: Any = type(value).__name__
@@ -236,6 +289,120 @@ def _guard_kwargs(kwargs: dict[str, Any], expected: tuple[str, ...],
         _guard_argument(kwargs[key], want, "value", key, where)
 
 
+# --------------------------------------------------------------------------- the KV cache
+# A traced module computes the training path, without a Hugging Face KV cache: tracing
+# passes ``use_cache=False`` to a forward that has the flag, and specialises cache arguments
+# to None (a cache object is not a value a graph can carry). At run time ``_guard_cache``
+# checks what arrives in their place, as transformers' ``GradientCheckpointingLayer`` does
+# for a checkpointed layer: in training with gradients a cache is not used (one warning),
+# anywhere else a call that wants a cache is refused with the fix.
+
+#: names of forward arguments that hold a KV cache in transformers models
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+#: the forward argument that asks a transformers model for a KV cache
+CACHE_FLAG = "use_cache"
+_WARNED: set[str] = set()  # keys of the one-time warnings given (see warn_once)
+_WARNED_LOCK = threading.Lock()
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (``Cache`` and its subclasses)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    return cache_type is not None and isinstance(value, cache_type)
+
+
+def cache_length(cache: Any, layer_idx: int | None) -> int | None:
+    """How many past positions ``cache`` holds for layer ``layer_idx`` (None: unknown)."""
+    if layer_idx is None:
+        return None
+    try:
+        return int(cache.get_seq_length(layer_idx))
+    except Exception:  # noqa: BLE001 - a cache type without per-layer lengths
+        return None
+
+
+def layer_index(module: nn.Module) -> int | None:
+    """The ``layer_idx`` of ``module`` or of its first sub-module that has one (the
+    transformers attention modules carry it), or None."""
+    for m in module.modules():
+        idx = m.__dict__.get("layer_idx")
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            return idx
+    return None
+
+
+def warn_once(key: str, message: str) -> None:
+    """A ``UserWarning`` the first time ``key`` is seen in this process."""
+    with _WARNED_LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+_CACHE_FIX = ("call the model with use_cache=False and without a cache argument (a traced "
+              "module never fills or returns a KV cache); to generate with a cache, use an "
+              "untraced copy: ref = copy.deepcopy(model) before tracing, then "
+              "ref.load_state_dict(model.state_dict())")
+
+
+def _refuse_cache(value: Any, name: str, where: str, what: str,
+                  training: bool | None) -> None:
+    state = {} if training is None else {"training": training,
+                                          "grad_enabled": torch.is_grad_enabled()}
+    raise TraceGuardError(
+        f"{what} reached a module that torchloom traced without a cache: the graph computes "
+        "without past keys and does not fill the cache",
+        path=_guard_path(where),
+        primitive="trace",
+        values={"argument": name, "now": value if isinstance(value, bool)
+                else type(value).__name__, **state},
+        fix=_CACHE_FIX,
+    )
+
+
+def _guard_cache(value: Any, name: str, layer_idx: int | None, training: bool,
+                 where: str) -> None:
+    """Check what a call passes for a cache argument (or ``use_cache``) of a module that was
+    traced without a cache.
+
+    None and False always pass. A cache (or ``use_cache=True``) in training with gradients
+    passes with a one-time warning and is not used, as in transformers under gradient
+    checkpointing, unless the cache already holds past positions for this layer (the graph
+    would ignore them: refused). Anywhere else it is refused: the caller wants a cache.
+    """
+    if _recorded(_guard_cache, (value, name, layer_idx, training, where)) is not None:
+        return
+    if value is None or value is False:
+        return
+    cache = is_cache(value)
+    if not cache and value is not True:
+        _guard_argument(value, None, "value", name, where)
+        return
+    what = "a KV cache" if cache else "use_cache=True"
+    if not (training and torch.is_grad_enabled()):
+        _refuse_cache(value, name, where, what, training)
+    past = cache_length(value, layer_idx) if cache else None
+    if past:
+        raise TraceGuardError(
+            f"a KV cache holding {past} past positions for this layer reached a module traced "
+            "without one: the graph would ignore them",
+            path=_guard_path(where),
+            primitive="trace",
+            values={"argument": name, "layer_idx": layer_idx, "past_positions": past},
+            fix="train without a prefilled cache (model(..., use_cache=False), no cache "
+            "argument), or keep this module untraced: trace only the levels below it",
+        )
+    warn_once(
+        f"cache|{_guard_path(where)}",
+        f"{_guard_path(where) or 'the root'}: {what} is not used by a module traced without "
+        "a cache in training (as transformers does under gradient checkpointing); the model's "
+        "output holds no complete cache. Pass use_cache=False to the model call to silence "
+        "this.",
+    )
+
+
 def _train_only(p: float, training: bool) -> float:
     """A dropout probability that applies in training mode only."""
     recorded = _recorded(_train_only, (p, training))
@@ -257,7 +424,8 @@ def _retrace_fix(where: str) -> str:
             f"sch[{_guard_path(where)!r}].trace(example_inputs=...)")
 
 
-_GUARDS = (_guard_truth, _guard_equal, _guard_is_none, _guard_argument, _guard_kwargs)
+_GUARDS = (_guard_truth, _guard_equal, _guard_is_none, _guard_argument, _guard_kwargs,
+           _guard_cache)
 
 
 def is_guard(node: fx.Node) -> bool:
@@ -301,20 +469,22 @@ def _new_traced(traced_from: type) -> TracedGraphModule:
     return object.__new__(_instance_class(traced_from))
 
 
-_TRACED_CLASSES: dict[type, type] = {}
+_TRACED_CLASSES: dict[type, type] = {}  # a cache of classes (never changes a result)
+_CLASSES_LOCK = threading.Lock()
 
 
 def _traced_class(original: type) -> type:
     """``TracedGraphModule`` mixed with the original class: the graph gives ``forward``,
     the original class its other methods and properties (``Sequential.__getitem__``,
     transformers' ``__call__`` and helpers) and ``isinstance`` checks keep working."""
-    cls = _TRACED_CLASSES.get(original)
-    if cls is None:
-        bases = (TracedGraphModule,) if original in (nn.Module, TracedGraphModule) or \
-            issubclass(original, fx.GraphModule) else (TracedGraphModule, original)
-        cls = type(f"Traced{original.__name__}", bases,
-                   {"traced_from": original, "__module__": __name__})
-        _TRACED_CLASSES[original] = cls
+    with _CLASSES_LOCK:  # one class per original, also when two threads trace at once
+        cls = _TRACED_CLASSES.get(original)
+        if cls is None:
+            bases = (TracedGraphModule,) if original in (nn.Module, TracedGraphModule) or \
+                issubclass(original, fx.GraphModule) else (TracedGraphModule, original)
+            cls = type(f"Traced{original.__name__}", bases,
+                       {"traced_from": original, "__module__": __name__})
+            _TRACED_CLASSES[original] = cls
     return cls
 
 
@@ -465,12 +635,19 @@ class _Tracer(fx.Tracer):
     """fx tracer whose proxies carry example values (when it has them)."""
 
     def __init__(self, where: str, leaf: Callable[[nn.Module, str], bool],
-                 with_values: bool) -> None:
+                 with_values: bool, fake_mode: Any = None) -> None:
         super().__init__(autowrap_modules=(math,))
         self.proxy_buffer_attributes = True  # buffers are graph values too
         self.where = where
         self.leaf = leaf
         self.with_values = with_values
+        #: a FakeTensorMode when the example values have no data (a meta model): every
+        #: value is then computed on fake ``meta`` tensors (see :func:`value_mode`)
+        self.fake_mode = fake_mode
+        #: the thread that traces: fx patches ``nn.Module.__call__`` process-wide while it
+        #: traces, and calls from other threads must run untouched
+        self.thread = threading.get_ident()
+        self._training_node: fx.Node | None = None
         self.values: dict[fx.Node, Any] = {}
         self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.executing = 0
@@ -518,19 +695,33 @@ class _Tracer(fx.Tracer):
         (vargs, vkwargs), missing = self._values_of((args, kwargs))
         if missing:
             return _NO_VALUE
+
+        def run(vargs: Any, vkwargs: Any) -> Any:
+            if kind == "call_function":
+                return target(*vargs, **vkwargs)
+            if kind == "call_method":
+                return getattr(vargs[0], target)(*vargs[1:], **vkwargs)
+            if kind == "get_attr":
+                obj: Any = self.root
+                for part in target.split("."):
+                    obj = getattr(obj, part)
+                return obj
+            if kind == "call_module":
+                return self._run_module(target, vargs, vkwargs)
+            return _NO_VALUE
+
         try:
             with self.executing_code():
-                if kind == "call_function":
-                    return target(*vargs, **vkwargs)
-                if kind == "call_method":
-                    return getattr(vargs[0], target)(*vargs[1:], **vkwargs)
-                if kind == "get_attr":
-                    obj: Any = self.root
-                    for part in target.split("."):
-                        obj = getattr(obj, part)
-                    return obj
-                if kind == "call_module":
-                    return self._run_module(target, vargs, vkwargs)
+                if self.fake_mode is None or kind == "get_attr":
+                    return run(vargs, vkwargs)
+                try:
+                    return on_meta(self.fake_mode, run, vargs, vkwargs)
+                except Exception as exc:  # noqa: BLE001 - see below
+                    if not _data_dependent(exc):
+                        raise
+                    # The operation reads values the meta weights do not have: its result
+                    # stays unknown, and the trace goes on symbolically from here.
+                    return _NO_VALUE
         except (TraceError, _TraceExit):
             raise
         except Exception as exc:  # noqa: BLE001 - reported with the operation
@@ -543,7 +734,6 @@ class _Tracer(fx.Tracer):
                 fix="check example_inputs (shapes, dtypes); they must be a valid call of "
                 "the module",
             ) from exc
-        return _NO_VALUE
 
     def _run_module(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.root.get_submodule(target)
@@ -551,17 +741,22 @@ class _Tracer(fx.Tracer):
 
         def capture(mod: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
             captured.append((a, dict(kw)))
+            if self.fake_mode is not None and target not in self.calls:
+                # meta values: kept even if the run fails on a value it cannot know
+                self.calls[target] = meta_values(captured[0])
 
         handle = module.register_forward_pre_hook(capture, with_kwargs=True)
         modes = _modes(module)
         module.eval()  # values only: no dropout masks, no checkpoint, no rng stream needed
         try:
-            out = module(*args, **kwargs)
+            with _tensors_on_meta(module, self.fake_mode is not None):
+                out = module(*args, **kwargs)
         finally:
             handle.remove()
             _restore_modes(modes)
         if captured and target not in self.calls:
-            self.calls[target] = captured[0]
+            self.calls[target] = captured[0] if self.fake_mode is None else \
+                meta_values(captured[0])
         return out
 
     # -- fx hooks ----------------------------------------------------------------------
@@ -569,7 +764,7 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
 
-    def create_arg(self, a: Any) -> Any:
+    def _create_arg(self, a: Any) -> Any:
         if issubclass(type(a), fx.Proxy):
             return a.node
         if _is_output_mapping(a):
@@ -613,13 +808,25 @@ class _Tracer(fx.Tracer):
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
-        if self.executing:
+        if self.executing or threading.get_ident() != self.thread:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
+    def create_arg(self, a: Any) -> Any:
+        if is_cache(a):
+            raise TraceError(
+                f"the module's code passes a KV cache object ({type(a).__name__}) to a traced "
+                f"call ({_user_frame()}); a graph cannot carry a cache",
+                path=self.where, primitive="trace", values={"cache": type(a).__name__},
+                fix="turn the cache off in every config the model holds (T5's decoder keeps "
+                "its own): for m in model.modules(): if hasattr(m, 'config'): "
+                "m.config.use_cache = False",
+            )
+        return self._create_arg(a)
+
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        if self.executing:
+        if self.executing or threading.get_ident() != self.thread:
             return forward(*args, **kwargs)
         try:
             self.path_of_module(m)
@@ -634,6 +841,16 @@ class _Tracer(fx.Tracer):
 
     def _need_value(self, obj: Any, what: str) -> Any:
         value = self.value_of(obj)
+        if value is _NO_VALUE and self.with_values and self.fake_mode is not None:
+            raise TraceError(
+                f"the module's code {what} a value ({_user_frame()}) computed by a module "
+                "whose output depends on tensor values, and this model's tensors have no "
+                "values (meta weights: the model was built under init_empty_weights)",
+                path=self.where, primitive="trace", values={"tracer": "auto"},
+                fix="keep the module that uses the value opaque: "
+                f"sch[{self.where!r}].trace(leaf_modules=[...]), or materialise the weights "
+                "first: tl.build(sch), then trace",
+            )
         if value is _NO_VALUE:
             raise TraceError(
                 f"the module's code {what} a traced value ({_user_frame()}), which plain "
@@ -646,14 +863,33 @@ class _Tracer(fx.Tracer):
             )
         return value
 
+    def _concrete(self, convert: Callable[[Any], Any], value: Any, what: str) -> Any:
+        """``convert(value)``; a tensor without data (meta / fake) has no Python value."""
+        try:
+            return convert(value)
+        except Exception as exc:  # noqa: BLE001 - DataDependentOutputException and friends
+            if not _unknowable(value):
+                raise
+            raise TraceError(
+                f"the module's code {what} a tensor value ({_user_frame()}), and this model's "
+                "tensors have no values (meta weights: the model was built under "
+                "init_empty_weights)",
+                path=self.where, primitive="trace",
+                values={"value": f"{type(value).__name__}{tuple(value.shape)}"},
+                fix="keep the module that does this opaque: "
+                f"sch[{self.where!r}].trace(leaf_modules=[...]), or materialise the weights "
+                "first: tl.build(sch), then trace",
+            ) from exc
+
     def to_bool(self, obj: fx.Proxy) -> bool:
-        value = bool(self._need_value(obj, "branches on"))
+        value = self._concrete(bool, self._need_value(obj, "branches on"), "branches on")
         self.create_node("call_function", _guard_truth,
                          (obj.node, value, f"{self.where}|{_user_frame()}"), {})
         return value
 
     def specialise_number(self, obj: fx.Proxy, convert: Callable[[Any], Any]) -> Any:
-        value = convert(self._need_value(obj, "needs a Python number from"))
+        value = self._concrete(convert, self._need_value(obj, "needs a Python number from"),
+                               "needs a Python number from")
         self.create_node("call_function", _guard_equal,
                          (obj.node, value, f"{self.where}|{_user_frame()}"), {})
         return value
@@ -677,6 +913,12 @@ class _Tracer(fx.Tracer):
         return list(value.keys())
 
     # -- root arguments ----------------------------------------------------------------
+
+    def training_flag(self) -> fx.Node:
+        """A ``get_attr`` node of the traced module's ``training`` flag (made once)."""
+        if self._training_node is None:
+            self._training_node = self.create_node("get_attr", "training", (), {})
+        return self._training_node
 
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
                              concrete_args: Any = None) -> tuple[Any, list[Any]]:
@@ -711,11 +953,24 @@ class _Tracer(fx.Tracer):
                                   len(arg.value), where), {})
                 return tuple(_item(self, ph, i, v) for i, v in enumerate(arg.value))
             if arg.kind == inspect.Parameter.VAR_KEYWORD:
-                constants = {k: v for k, v in arg.value.items() if not _dynamic(v)}
+                # the KV cache among the keywords: traced off, checked by _guard_cache
+                cache = {k: (False if k == CACHE_FLAG else None) for k, v in arg.value.items()
+                         if (k == CACHE_FLAG or k in CACHE_ARGUMENTS) and not v}
+                constants = {k: v for k, v in arg.value.items()
+                             if not _dynamic(v) and k not in cache}
                 self.create_node("call_function", _guard_kwargs,
                                  (ph.node, tuple(sorted(arg.value)), constants, where), {})
-                return {k: (v if k in constants else _item(self, ph, k, v))
-                        for k, v in arg.value.items()}
+                for key in cache:
+                    self.create_node("call_function", _guard_cache,
+                                     (_item(self, ph, key, None).node, key,
+                                      layer_index(self.root), self.training_flag(), where), {})
+                return {k: (cache[k] if k in cache else v if k in constants
+                            else _item(self, ph, k, v)) for k, v in arg.value.items()}
+            if arg.mode == "cache":
+                self.create_node("call_function", _guard_cache,
+                                 (ph.node, arg.name, layer_index(self.root),
+                                  self.training_flag(), where), {})
+                return arg.value
             if arg.value is _NO_VALUE:
                 return ph
             if arg.mode == "constant":
@@ -791,6 +1046,162 @@ def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
         m.training = training
 
 
+# --------------------------------------------------------------------------- tensors without data
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def value_mode(module: nn.Module | None, example: Any = None) -> Any:
+    """The ``FakeTensorMode`` in which example values are computed, or None for real ones.
+
+    A model built under ``init_empty_weights`` has ``meta`` tensors: they have shapes but no
+    values, and model code that reads a value (``.item()``, ``bool(t)``) fails on them.
+    Under a fake mode the same code runs on fake tensors, which transformers recognises as
+    tracing (``is_tracing``) and skips its data-dependent checks for; nothing is allocated.
+    The mode of fake tensors already in ``example`` is reused; a new one is made when
+    ``example`` or ``module`` holds a ``meta`` tensor.
+
+    >>> with torch.device("meta"):
+    ...     lin = nn.Linear(4, 4)
+    >>> mode = value_mode(lin)
+    >>> x = fake_values(mode, torch.randn(2, 4))
+    >>> with mode:
+    ...     y = lin(x)
+    >>> type(y).__name__, y.device, tuple(y.shape)
+    ('FakeTensor', device(type='meta'), (2, 4))
+    >>> value_mode(nn.Linear(2, 2)) is None
+    True
+    """
+    for t in _tensors(example):
+        if _is_fake(t):
+            return t.fake_mode
+    tensors = list(_tensors(example))
+    if module is not None:
+        tensors += [*module.parameters(), *module.buffers()]
+    if any(t.is_meta for t in tensors):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return FakeTensorMode(allow_non_fake_inputs=True)
+    return None
+
+
+def fake_values(mode: Any, value: Any) -> Any:
+    """``value`` with every tensor replaced by a fake ``meta`` tensor of ``mode`` (same
+    shape, dtype and ``requires_grad``; nothing allocated); tuples, lists and dicts are
+    rebuilt, anything else is kept."""
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if _is_fake(t):
+            return t
+        return mode.from_tensor(t if t.is_meta else t.detach().to("meta").requires_grad_(
+            t.requires_grad))
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return fake(v)
+        if isinstance(v, tuple) and not hasattr(v, "_fields"):
+            return tuple(walk(x) for x in v)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if type(v) is dict:
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    return walk(value)
+
+
+def _data_dependent(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is an operation that needed tensor values: a
+    fake tensor's ``DataDependentOutputException`` or ``.item()`` on a meta tensor."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, DataDependentOutputException) or \
+                "cannot be called on meta tensors" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def meta_values(value: Any) -> Any:
+    """``value`` with every tensor replaced by a plain ``meta`` one (same shape, strides,
+    dtype and ``requires_grad``; nothing allocated): real and fake tensors are converted,
+    meta ones kept; tuples (named ones too), lists, dicts and transformers ``ModelOutput``
+    mappings are rebuilt."""
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if _is_fake(v):
+                return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                           device="meta").requires_grad_(v.requires_grad)
+            if v.is_meta:
+                return v
+            return v.detach().to("meta").requires_grad_(v.requires_grad)
+        if isinstance(v, tuple):
+            items = [walk(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if type(v) is dict:
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, dict) and _is_output_mapping(v):
+            try:
+                return type(v)(**{k: walk(x) for k, x in v.items()})
+            except Exception:  # noqa: BLE001 - a mapping that cannot be rebuilt: as it is
+                return v
+        return v
+
+    return walk(value)
+
+
+def on_meta(mode: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on values without data: first on plain ``meta`` tensors (fast), and if
+    that raises (code that reads a value: ``.item()``, ``bool(t)``), again on fake tensors
+    of ``mode``, under which transformers skips such data-dependent checks."""
+    try:
+        return fn(*meta_values(args))
+    except (TraceError, _TraceExit):
+        raise
+    except Exception:  # noqa: BLE001 - retried on fake tensors; a real error raises again
+        with mode:
+            result = fn(*fake_values(mode, args))
+        return meta_values(result)  # back to plain meta: the next operations run fast
+
+
+@contextmanager
+def _tensors_on_meta(module: nn.Module, active: bool) -> Iterator[None]:
+    """While values are fake (a meta model), the real tensors of ``module`` (e.g. the CPU
+    buffers ``init_empty_weights`` leaves, such as rotary ``inv_freq``) are swapped for
+    ``meta`` copies, so that fake values never meet a real device; put back afterwards."""
+    if not active:
+        yield
+        return
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is None or t.is_meta or _is_fake(t):
+                    continue
+                meta = t.detach().to("meta")
+                if isinstance(t, nn.Parameter):
+                    meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+                swapped.append((slots, name, t))
+                slots[name] = meta
+    try:
+        yield
+    finally:
+        for slots, name, t in reversed(swapped):
+            slots[name] = t
+
+
 @contextmanager
 def _patched_factories(tracer: _Tracer) -> Iterator[None]:
     """While tracing, torch factory functions called with traced arguments become nodes."""
@@ -805,7 +1216,7 @@ def _patched_factories(tracer: _Tracer) -> Iterator[None]:
             found = []
             map_aggregate((args, kwargs),
                           lambda a: found.append(a) if issubclass(type(a), fx.Proxy) else None)
-            if found and not tracer.executing:
+            if found and not tracer.executing and threading.get_ident() == tracer.thread:
                 return tracer.create_proxy("call_function", __original, args, kwargs)
             return __original(*args, **kwargs)
 
@@ -827,7 +1238,7 @@ class _Arg:
     name: str
     kind: Any  # inspect.Parameter kind
     default: Any
-    mode: str  # "dynamic" or "constant"
+    mode: str  # "dynamic", "constant" or "cache" (a KV cache argument or use_cache, traced off)
     value: Any
     passed: str = "no"  # how the example call passed it: "positional", "keyword" or "no"
 
@@ -888,6 +1299,9 @@ def _bind(module: nn.Module, path: str, args: tuple[Any, ...] | None,
         if p.kind == inspect.Parameter.VAR_KEYWORD:
             value = dict(given.get(p.name, {}))
             value.update({k: v for k, v in concrete.items() if k not in names})
+            for key, item in value.items():
+                if is_cache(item) or (key == CACHE_FLAG and item):
+                    _refuse_example_cache(path, key, item)
             spec.append(_Arg(p.name, p.kind, inspect.Parameter.empty, "dynamic", value,
                              "keyword"))
             continue
@@ -895,6 +1309,23 @@ def _bind(module: nn.Module, path: str, args: tuple[Any, ...] | None,
             passed = "positional" if index < n_positional else "keyword"
         else:
             passed = "no"
+        # The KV cache: traced off (see _guard_cache). The flag is passed as False so a
+        # decorator that reads config.use_cache (transformers' merge_with_config_defaults)
+        # does not make a cache; cache arguments are specialised to None.
+        if p.name == CACHE_FLAG or p.name in CACHE_ARGUMENTS or is_cache(given.get(p.name)):
+            value = concrete.get(p.name, given.get(p.name, default))
+            if value is inspect.Parameter.empty:
+                value = None
+            if is_cache(value) or (p.name == CACHE_FLAG and value is True):
+                _refuse_example_cache(path, p.name, value)
+            if p.name == CACHE_FLAG and value in (None, False):
+                spec.append(_Arg(p.name, p.kind, _codegen_default(default), "cache", False,
+                                 passed if passed != "no" else "keyword"))
+                continue
+            if value is None:
+                spec.append(_Arg(p.name, p.kind, _codegen_default(default), "cache", None,
+                                 passed if p.name in given else "no"))
+                continue
         if default is not inspect.Parameter.empty and not _is_simple(default):
             default = inspect.Parameter.empty if p.name in given else default
         if p.name in concrete:
@@ -923,6 +1354,18 @@ def _bind(module: nn.Module, path: str, args: tuple[Any, ...] | None,
                 fix="pass it in example_inputs",
             )
     return spec
+
+
+def _refuse_example_cache(path: str, name: str, value: Any) -> None:
+    raise TraceError(
+        "the example inputs ask for a KV cache; torchloom traces the training path, without "
+        "a cache",
+        path=path, primitive="trace",
+        values={"argument": name, "value": value if isinstance(value, bool)
+                else type(value).__name__},
+        fix=f"leave {name!r} out of example_inputs (a traced module runs with "
+        "use_cache=False)",
+    )
 
 
 def _codegen_default(default: Any) -> Any:
@@ -958,6 +1401,8 @@ def _follow_training_flag(graph: fx.Graph) -> None:
                 node.update_arg(2, flag(node))
         elif node.target is torch.dropout and len(node.args) >= 3 and node.args[2] is True:
             node.update_arg(2, flag(node))
+        elif node.target is _guard_cache and isinstance(node.args[3], bool):
+            node.update_arg(3, flag(node))  # a nested graph inlined by flatten=True
         elif node.target is F.scaled_dot_product_attention:
             p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
             if isinstance(p, (int, float)) and p > 0:
@@ -1003,16 +1448,16 @@ def _finish_module(original: nn.Module, graph: fx.Graph, constants: dict[str, to
 
 def _trace_one(module: nn.Module, path: str, example: tuple[tuple[Any, ...], dict[str, Any]] | None,
                leaf: Callable[[nn.Module, str], bool], concrete_args: dict[str, Any] | None,
-               ) -> tuple[fx.Graph, _Tracer]:
+               fake_mode: Any = None) -> tuple[fx.Graph, _Tracer]:
     with_values = example is not None
-    tracer = _Tracer(path, leaf, with_values)
+    tracer = _Tracer(path, leaf, with_values, fake_mode if with_values else None)
     args, kwargs = example if example is not None else ((), {})
     tracer.spec = _bind(module, path, args, kwargs, concrete_args, with_values)
     modes = _modes(module)
     for m in module.modules():
         m.training = True  # trace in training mode, dropout follows the flag afterwards
     try:
-        with torch.random.fork_rng(devices=[]), _patched_factories(tracer):
+        with TRACE_LOCK, torch.random.fork_rng(devices=[]), _patched_factories(tracer):
             graph = tracer.trace(module)
     except TraceError:
         raise
@@ -1095,9 +1540,14 @@ def trace_module(
             "children instead",
         )
     example = _normalise_example(example_inputs, path) if tracer == "auto" else None
+    fake_mode = value_mode(module, example) if example is not None else None
+    if fake_mode is not None:  # values without data: meta tensors, fake where code needs it
+        example = meta_values(example)
     leaves = tuple(leaf_modules)
     installs: list[tuple[nn.Module, str, nn.Module, nn.Module, str]] = []
-    gm = _trace_tree(module, path, example, leaves, flatten, concrete_args, expand, installs)
+    with TRACE_LOCK:
+        gm = _trace_tree(module, path, example, leaves, flatten, concrete_args, expand,
+                         installs, fake_mode)
     reached = {path} | {install[4] for install in installs}
     missing = [p for p in must_trace if p not in reached]
     if missing:
@@ -1140,7 +1590,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
                 flatten: bool, concrete_args: dict[str, Any] | None,
                 expand: Callable[[str], bool] | None,
                 installs: list[tuple[nn.Module, str, nn.Module, nn.Module, str]],
-                ) -> TracedGraphModule:
+                fake_mode: Any = None) -> TracedGraphModule:
     def relative_leaf(m: nn.Module, qualified: str) -> bool:
         full = _join(path, qualified)
         if is_leaf(m, full, leaves) or qualified in leaves:
@@ -1151,7 +1601,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
             return _has_hooks(m)
         return True  # hierarchical: every called child is a node of this graph
 
-    graph, tracer = _trace_one(module, path, example, relative_leaf, concrete_args)
+    graph, tracer = _trace_one(module, path, example, relative_leaf, concrete_args, fake_mode)
     children: list[tuple[str, nn.Module, TracedGraphModule]] = []
     if not flatten:
         for node in graph.nodes:
@@ -1170,7 +1620,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
                 continue  # a child called twice is traced once (for its first call)
             child_example = tracer.calls.get(target) if tracer.with_values else None
             traced = _trace_tree(child, child_path, child_example, leaves, False, None, expand,
-                                 installs)
+                                 installs, fake_mode)
             children.append((target, child, traced))
     tracer.values.clear()
     tracer.calls.clear()
@@ -1199,14 +1649,21 @@ def example_inputs_for(root: nn.Module, module: nn.Module, path: str
                        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The inputs ``module`` receives when ``root`` runs on its example inputs.
 
-    The root's example inputs are the Hugging Face ``dummy_inputs`` of a transformers model
-    (on the device of its parameters); other roots have none (returns None). The root runs
-    in eval mode without gradients, the random state is restored, and the run stops as soon
-    as ``module`` is called.
+    The root's example inputs are :func:`dummy_inputs` (made from a transformers model's
+    config); other roots have none (returns None). The root runs in eval mode without
+    gradients and without a KV cache (``use_cache=False`` when its forward has the flag),
+    the random state is restored, and the run stops as soon as ``module`` is called. On a
+    model with ``meta`` weights it runs on fake tensors (:func:`value_mode`), and the
+    captured inputs are fake tensors.
     """
-    root_inputs = _root_example(root)
+    root_inputs = dummy_inputs(root)
     if root_inputs is None:
         return None
+    if CACHE_FLAG in _signature(root).parameters and CACHE_FLAG not in root_inputs:
+        root_inputs[CACHE_FLAG] = False
+    mode = value_mode(root, root_inputs)
+    if mode is not None:
+        root_inputs = meta_values(root_inputs)
     if module is root:
         return (), dict(root_inputs)
     captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
@@ -1218,9 +1675,20 @@ def example_inputs_for(root: nn.Module, module: nn.Module, path: str
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     modes = _modes(root)
     root.eval()
+
+    def run(inputs: dict[str, Any]) -> None:
+        try:
+            root(**inputs)
+        except _TraceExit:
+            pass
+
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            root(**root_inputs)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                _tensors_on_meta(root, mode is not None):
+            if mode is None:
+                run(root_inputs)
+            else:
+                on_meta(mode, run, root_inputs)
     except _TraceExit:
         pass
     except Exception as exc:  # noqa: BLE001
@@ -1239,18 +1707,71 @@ def example_inputs_for(root: nn.Module, module: nn.Module, path: str
             path=path, primitive="trace", values={"root": type(root).__name__},
             fix=f"pass the module's inputs: sch[{path!r}].trace(example_inputs=(...))",
         )
-    return captured[0]
+    return captured[-1] if mode is None else meta_values(captured[-1])
 
 
-def _root_example(root: nn.Module) -> dict[str, Any] | None:
-    dummy = getattr(type(root), "dummy_inputs", None)
-    if dummy is None or not hasattr(root, "config"):
+#: the batch and (at most) the sequence length of :func:`dummy_inputs`
+DUMMY_BATCH, DUMMY_LENGTH = 2, 16
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
+
+def dummy_inputs(model: nn.Module, batch: int = DUMMY_BATCH,
+                 length: int = DUMMY_LENGTH) -> dict[str, Any] | None:
+    """Example inputs for a transformers model, made from its config (None for a model
+    without a config).
+
+    * an image model (``pixel_values`` in its forward, ``image_size`` in its config):
+      ``pixel_values`` of shape ``(batch, num_channels, image_size, image_size)``;
+    * a text model: ``input_ids`` of shape ``(batch, min(length, positions))`` drawn from
+      the vocabulary without the padding token, plus ``decoder_input_ids`` for an
+      encoder-decoder model.
+
+    The values come from a fixed generator (the global random state is not touched). They
+    are CPU tensors (or on the device of the model's first real parameter); tracing a
+    model with ``meta`` weights turns them into fake tensors.
+
+    >>> import transformers
+    >>> cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=50)
+    >>> {k: tuple(v.shape) for k, v in dummy_inputs(transformers.GPT2LMHeadModel(cfg)).items()}
+    {'input_ids': (2, 16)}
+    """
+    config = getattr(model, "config", None)
+    if config is None or getattr(type(model), "dummy_inputs", None) is None:
         return None
+    params = _signature(model).parameters
+    device = next((t.device for t in model.parameters() if not t.is_meta),
+                  torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    image_size = getattr(config, "image_size", None)
+    if "pixel_values" in params and image_size is not None:
+        side = tuple(image_size) if isinstance(image_size, (tuple, list)) else \
+            (image_size, image_size)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                     torch.float32)
+        pixels = torch.randn(batch, getattr(config, "num_channels", 3), *side,
+                             generator=generator)
+        return {"pixel_values": pixels.to(device=device, dtype=dtype)}
+    vocab = getattr(config, "vocab_size", None)
+    if "input_ids" in params and isinstance(vocab, int) and vocab > 1:
+        limits = [getattr(config, k) for k in _POSITION_LIMITS
+                  if isinstance(getattr(config, k, None), int)]
+        seq = max(2, min([length, *limits]))
+        pad = getattr(config, "pad_token_id", None)
+
+        def ids() -> torch.Tensor:
+            drawn = torch.randint(0, vocab, (batch, seq), generator=generator)
+            if isinstance(pad, int):
+                drawn[drawn == pad] = (pad + 1) % vocab
+            return drawn.to(device)
+
+        inputs = {"input_ids": ids()}
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+            inputs["decoder_input_ids"] = ids()
+        return inputs
     try:
-        inputs = dict(root.dummy_inputs)
+        inputs = dict(model.dummy_inputs)
     except Exception:  # noqa: BLE001 - a model without usable dummy inputs
         return None
     ids = {k: v for k, v in inputs.items() if k.endswith("input_ids")}
     inputs = ids or inputs  # token ids only: the plain call, without masks
-    device = next((p.device for p in root.parameters()), torch.device("cpu"))
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}

@@ -21,6 +21,16 @@ same model). When the block exits without an exception:
    a reordered sum (tensor parallelism) leaves round-off relative to the terms summed,
    which an element near zero does not show.
 
+A model built under ``init_empty_weights`` (``meta`` weights) can be verified too: on
+entry the reference is a copy of the meta model (nothing allocated); on exit both are
+materialised as ``build`` materialises (:func:`torchloom.build`: the model's own init code
+from the same seed, ``Verify(seed=...)``, each sharded tensor the matching slice of the
+full one), or loaded from ``Verify(..., weights=PATH)`` (a folder ``build(weights=)``
+reads); every scheduled tensor that has a reference counterpart then takes the
+reference's value (sliced), so an init order that a replacement changed cannot make the two
+differ. After the comparison the scheduled model's tensors are put back on ``meta``: the
+schedule is still built with ``tl.build`` as it would have been.
+
 Every global state Verify touches (random generators, the RNG tracker, grad mode, the
 training flags, the parameters' ``.grad``, its hooks) is restored, also on failure.
 ``Verify(..., enable=False)`` does nothing. In a process group every rank must enter the
@@ -52,15 +62,19 @@ torchloom.verify.VerificationError: sch['1'].Verify(...): the forward output dif
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import collectives as C
+from .agree import check_ranks_agree
 from ._outputs import tensors_in
 from .check import check, effective_output_placement
 from .errors import ScheduleError
@@ -71,7 +85,7 @@ from .rng import get_rng_tracker
 if TYPE_CHECKING:
     from .schedule import Schedule
 
-__all__ = ["Verify", "VerificationError"]
+__all__ = ["Verify", "VerificationError", "materialise"]
 
 
 class VerificationError(ScheduleError):
@@ -87,6 +101,21 @@ def _default_loss(output: Any) -> torch.Tensor:
     first = tensors_in(output)[0]
     weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(0))
     return (first.float() * weights.to(first.device)).sum()
+
+
+def materialise(model: nn.Module, device: torch.device, seed: int,
+                weights: str | os.PathLike | None = None, group: Any = None) -> None:
+    """Make every ``meta`` tensor of ``model`` real, as ``build`` does: the model's own init
+    code run from ``seed`` (each sharded tensor the matching slice of the full one), or
+    loaded from ``weights`` (the folders ``build(weights=...)`` reads). The global random
+    state is left as it was. The hook ``Verify`` materialises through."""
+    from .build import _materialise
+
+    shim = SimpleNamespace(mod=model, group=group)  # what _materialise reads of a schedule
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _materialise(shim, init_weights=False, dev=torch.device(device), param_init_fn=None,
+                     init="full", weights=weights, strict=False)
 
 
 @dataclass
@@ -188,6 +217,8 @@ class Verify:
             (``build(..., example_inputs=...)``); with ``cut_pipeline_stage`` marks, each
             stage is also run on the verification inputs to catch values a stage fixed to
             their example value (default: the verification inputs themselves).
+        weights: for a model with ``meta`` weights, the folder both models are loaded
+            from (what ``build(sch, weights=...)`` accepts); None: the seeded init.
     """
 
     def __init__(
@@ -204,6 +235,7 @@ class Verify:
         param_map: dict[str, str] | None = None,
         static_check: bool = True,
         pipeline_example: tuple | dict | None = None,
+        weights: str | os.PathLike | None = None,
     ) -> None:
         self.sch = sch.root
         self.example_inputs = example_inputs
@@ -216,6 +248,8 @@ class Verify:
         self.param_map = dict(param_map or {})
         self.static_check = static_check
         self.pipeline_example = pipeline_example
+        self.weights = weights
+        self._meta = False  # the model had meta tensors on entry: materialised on exit
         self.reference: nn.Module | None = None
         self._recipe_start = 0
         #: what the last verification compared: tensors per phase (incomparable ones,
@@ -227,19 +261,24 @@ class Verify:
     def __enter__(self) -> Verify:
         if not self.enable:
             return self
+        check_ranks_agree(self.sch, primitive="Verify")  # before weights are broadcast
         model = self.sch.mod
-        meta = [n for n, p in model.named_parameters() if p.is_meta]
-        if meta:
+        self._meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if self.weights is not None and not self._meta:
             raise VerificationError(
-                "the model has parameters on the meta device; there is nothing to compare",
-                path=self.sch.path, primitive="Verify", values={"meta": meta[:3]},
-                fix="build (materialise) the model first: model, _ = tl.build(sch)",
+                "weights= loads a model built under init_empty_weights; this model already "
+                "has its weights",
+                path=self.sch.path, primitive="Verify",
+                values={"weights": os.fspath(self.weights)},
+                fix="drop weights=, or build the model under tl.init_empty_weights()",
             )
-        if self._distributed():
+        if self._distributed() and not self._meta:  # meta: materialised alike on each rank
             src = dist.get_global_rank(self.sch.group, 0) if self.sch.group is not None else 0
             with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor.data, src=src, group=self.sch.group)
+                with C.guard_collective("broadcast", "Verify", self.sch.group,
+                                        path=self.sch.path):
+                    for tensor in [*model.parameters(), *model.buffers()]:
+                        dist.broadcast(tensor.data, src=src, group=self.sch.group)
         self.reference = copy.deepcopy(model)
         self._recipe_start = len(self.sch.recipe)
         return self
@@ -269,7 +308,9 @@ class Verify:
             x = x.detach().to(self.device).clone()
             if self._distributed():
                 src = dist.get_global_rank(self.sch.group, 0) if self.sch.group is not None else 0
-                dist.broadcast(x, src=src, group=self.sch.group)
+                with C.guard_collective("broadcast", "Verify", self.sch.group,
+                                        path=self.sch.path):
+                    dist.broadcast(x, src=src, group=self.sch.group)
             return x
 
         return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}
@@ -329,6 +370,7 @@ class Verify:
 
     def _verify(self) -> None:
         assert self.reference is not None
+        check_ranks_agree(self.sch, primitive="Verify")  # the block scheduled alike
         if self.static_check:
             report = check(self.sch)
             if not report.ok:
@@ -340,6 +382,11 @@ class Verify:
                     values={"findings": [f"{f.path}: {f.rule}" for f in report.findings]},
                     fix=first.fix,
                 )
+        with self._materialised():
+            self._compare()
+
+    def _compare(self) -> None:
+        assert self.reference is not None
         model = self.sch.mod
         reference = self.reference.to(self.device)
         saved = self._save([model, reference])
@@ -367,6 +414,51 @@ class Verify:
             rec.remove()
             ref_rec.remove()
             self._restore(saved)
+
+    @contextlib.contextmanager
+    def _materialised(self) -> Iterator[None]:
+        """For a model that had ``meta`` tensors on entry: materialise the reference and
+        the scheduled model (seeded init or ``weights``), give every scheduled tensor the
+        reference's value, and put the scheduled model's meta tensors back afterwards."""
+        if not self._meta:
+            yield
+            return
+        assert self.reference is not None
+        model = self.sch.mod
+        slots = [(m, slot, name, t) for m in model.modules()
+                 for slot in (m._parameters, m._buffers) for name, t in slot.items()
+                 if t is not None]
+        try:
+            materialise(self.reference, self.device, self.seed, self.weights, None)
+            materialise(model, self.device, self.seed, self.weights, self.sch.group)
+            self._take_reference_values(model, {(id(m), name) for m, _, name, t in slots
+                                                if t.is_meta})
+            yield
+        finally:
+            for _, slot, name, t in slots:
+                slot[name] = t
+
+    def _take_reference_values(self, model: nn.Module, was_meta: set[tuple[int, str]]) -> None:
+        """Copy the reference's tensors into the scheduled tensors that were ``meta`` (by
+        name, through ``param_map``; a sharded one takes its slice)."""
+        assert self.reference is not None
+        ref = {**dict(self.reference.named_parameters(remove_duplicate=False)),
+               **dict(self.reference.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            for m_path, m in model.named_modules(remove_duplicate=False):
+                for slot in (m._parameters, m._buffers):
+                    for name, tensor in slot.items():
+                        if tensor is None or (id(m), name) not in was_meta:
+                            continue
+                        full = f"{m_path}.{name}" if m_path else name
+                        source = ref.get(self.param_map.get(full, full))
+                        if source is None:
+                            continue
+                        spec = shard_spec(tensor)
+                        if spec is not None and tuple(spec.full_shape) == tuple(source.shape):
+                            source = spec.slice(source)
+                        if tuple(source.shape) == tuple(tensor.shape):
+                            tensor.copy_(source.to(tensor.device, tensor.dtype))
 
     def _check_pipeline_split(self, args: tuple, kwargs: dict) -> None:
         """With ``cut_pipeline_stage`` marks: run each stage on the values the whole model
@@ -458,7 +550,8 @@ class Verify:
             excess.append(float(diff.max()) - bound)
         if self._distributed() and excess:
             tensor = torch.tensor([(-1e300 if e != e else e) for e in excess], dtype=torch.float64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sch.group)
+            with C.guard_collective("all_reduce", "Verify", self.sch.group, path=self.sch.path):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sch.group)
             excess = [float("nan") if (e != e) else float(t) for e, t in zip(excess, tensor.tolist())]
         return excess
 

@@ -27,9 +27,15 @@ Eval mode and ``torch.no_grad()``: there is no backward to recompute for, so the
 just runs its forward (no checkpoint).
 
 Side effects in the forward run twice (once more in the recompute). A Hugging Face KV
-cache passed to a checkpointed layer in training would be extended twice, so it raises a
-:class:`~torchloom.errors.CheckpointError`: train with ``use_cache=False`` (Hugging Face's
-own gradient checkpointing turns the cache off too).
+cache passed to a checkpointed layer in training would be extended twice, so a
+checkpointed layer in training runs without it, as transformers' own
+``GradientCheckpointingLayer`` does: a cache argument (positional or keyword) is replaced
+by None and ``use_cache=True`` by False, with one warning per layer class (transformers
+models with a default config, ``use_cache=True``, make a cache in training). The output's
+cache then lacks the checkpointed layers; pass ``use_cache=False`` to the model to avoid
+both. A cache that already holds past positions for the layer would be silently ignored,
+so it raises a :class:`~torchloom.errors.CheckpointError`. Layers that only read the cache
+(``_can_checkpoint_with_cache = True``, a transformers convention) keep it.
 
 With ``subgraph`` (a ``Match`` from ``find`` on a traced module, or a list of them): each
 match is cut out of its graph into a ``CheckpointWrapper_<k>`` child that runs it under
@@ -76,6 +82,7 @@ True
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import sys
@@ -87,6 +94,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..errors import CheckpointError
 from ..rng import get_rng_tracker
+from ..tracing import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
 from ._subgraph import GraphHolder, extract, resolve, splice
 from ._common import ForwardWrapper
 
@@ -159,7 +167,7 @@ class _CheckpointForward(ForwardWrapper):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
             return self._run(*args, **kwargs)
-        _refuse_kv_cache(self, args, kwargs)
+        args, kwargs = _without_kv_cache(self, args, kwargs)
         # Keyword arguments travel as extra positional inputs of the checkpoint, so that
         # tensors among them are saved (and seen by device inference) like the others,
         # and names such as "debug" or "context_fn" cannot clash with checkpoint's own.
@@ -181,29 +189,72 @@ class _CheckpointForward(ForwardWrapper):
         return f"<checkpointed forward of {type(self.module).__name__} at {self.path!r}>"
 
 
-def _refuse_kv_cache(fwd: _CheckpointForward, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> None:
-    """Raise if a Hugging Face KV cache reaches a checkpointed layer that writes to it.
+def _parameter_names(module: nn.Module) -> list[str]:
+    """The names of ``forward``'s parameters after ``self``, in order."""
+    try:
+        return list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return []
 
-    The recompute would append the layer's keys and values to the cache a second time and
-    fail with a shape error far from the cause. Layers that only read the cache declare
-    ``_can_checkpoint_with_cache = True`` (a transformers convention) and are let through.
+
+def _without_kv_cache(fwd: _CheckpointForward, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with a Hugging Face KV cache turned off (training only).
+
+    The recompute in backward would append the layer's keys and values to the cache a
+    second time, so the layer runs without it, as under transformers' gradient
+    checkpointing (``GradientCheckpointingLayer``): every ``Cache`` argument becomes None
+    and ``use_cache=True`` becomes False, with a one-time warning. A cache holding past
+    positions for this layer is refused (the layer would ignore them). Layers that only
+    read the cache declare ``_can_checkpoint_with_cache = True`` and keep it.
     """
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    cache_type = getattr(cache_utils, "Cache", None)
-    if cache_type is None or getattr(fwd.module, "_can_checkpoint_with_cache", False):
-        return
-    for position, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, cache_type):
+    if sys.modules.get("transformers.cache_utils") is None:
+        return args, kwargs
+    keep_cache = bool(getattr(fwd.module, "_can_checkpoint_with_cache", False))
+    names = _parameter_names(fwd.module)
+    changed: list[str] = []
+
+    def drop(position: Any, value: Any) -> Any:
+        if keep_cache or not is_cache(value):
+            return value
+        past = cache_length(value, layer_index(fwd.module))
+        if past:
             raise CheckpointError(
-                "a checkpointed layer got a KV cache in training; the recompute in backward "
-                "would write the layer's keys and values into it a second time",
+                "a checkpointed layer got a KV cache holding past positions in training; "
+                "running without the cache would ignore them, and with it the recompute in "
+                "backward would write the layer's keys and values a second time",
                 path=fwd.path,
                 primitive=NAME,
-                values={"argument": position, "cache": type(value).__name__},
-                fix="train without the cache: model(..., use_cache=False), or set "
-                "model.config.use_cache = False",
+                values={"argument": position, "cache": type(value).__name__,
+                        "past_positions": past},
+                fix="train without a prefilled cache: model(..., use_cache=False) and no "
+                "cache argument, or do not checkpoint this layer",
             )
+        if isinstance(position, int):
+            position = names[position] if position < len(names) and not \
+                names[position].startswith("*") else f"argument {position}"
+        changed.append(f"{position}=None")
+        return None
+
+    new_args = tuple(drop(i, a) for i, a in enumerate(args))
+    new_kwargs = {k: drop(k, v) for k, v in kwargs.items()}
+    if new_kwargs.get(CACHE_FLAG) is True:
+        new_kwargs[CACHE_FLAG] = False
+        changed.append(f"{CACHE_FLAG}=False")
+    index = names.index(CACHE_FLAG) if CACHE_FLAG in names else None
+    if index is not None and index < len(new_args) and new_args[index] is True:
+        new_args = new_args[:index] + (False,) + new_args[index + 1:]
+        changed.append(f"{CACHE_FLAG}=False")
+    if changed:
+        name = type(fwd.module).__name__
+        warn_once(
+            f"checkpoint|{name}",
+            f"caching is incompatible with activation checkpointing in {name} (at "
+            f"{fwd.path!r} and the other checkpointed {name} layers): running them in "
+            f"training with {', '.join(dict.fromkeys(changed))}, as transformers does under "
+            "gradient checkpointing. Pass use_cache=False to the model call to silence this.",
+        )
+    return new_args, new_kwargs
 
 
 def _has_forward(mod: nn.Module) -> bool:

@@ -18,9 +18,15 @@ its choices and its limits). What stays the same:
 
 Example inputs: ``example_inputs`` (a tuple of positional arguments, a dict of keyword
 arguments, or an ``(args, kwargs)`` pair) if given; otherwise, for a transformers model,
-the inputs this module receives when the model runs on its ``dummy_inputs`` token ids;
-otherwise none, and the trace is symbolic (enough for modules without data-dependent
-Python code).
+the inputs this module receives when the model runs (without a KV cache) on
+:func:`torchloom.tracing.dummy_inputs` made from its config (token ids, or pixel values for
+an image model); otherwise none, and the trace is symbolic (enough for modules without
+data-dependent Python code). A model built under ``init_empty_weights`` is traced the
+same way on tensors without data (nothing is allocated).
+
+The KV cache of a transformers model (``use_cache`` defaults to True) is traced off: the
+graph computes the training path, accepts ``use_cache`` None or False, and refuses a cache
+where one would be used (see :mod:`torchloom.tracing`).
 
 Tracing an already traced module traces its graph again (e.g. ``flatten=True`` after a
 hierarchical trace inlines the nested graphs).
