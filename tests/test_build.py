@@ -41,7 +41,16 @@ def llama_cfg() -> transformers.LlamaConfig:
                                     vocab_size=128)
 
 
+def vit_cfg() -> transformers.ViTConfig:
+    # ViT's _init_weights uses trunc_normal_, which returns at once on a meta tensor
+    # (torch >= 2.13), so build's dry run cannot see it
+    return transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, image_size=32, patch_size=8,
+                                  num_labels=3)
+
+
 HF_MODELS = {
+    "vit": (transformers.ViTForImageClassification, vit_cfg),
     "gpt2": (transformers.GPT2LMHeadModel, gpt2_cfg),
     "bert": (transformers.BertForMaskedLM, bert_cfg),
     "llama": (transformers.LlamaForCausalLM, llama_cfg),
@@ -396,7 +405,7 @@ def test_real_sharded_params_are_kept_or_reinitialised_full_size():
     ref = eager(make)
     assert torch.equal(model[0].bias, ref[0].bias) and torch.equal(model[1].weight, ref[1].weight)
     torch.manual_seed(SEED)
-    build(sch, init_weights=True)
+    build(sch, init_weights=True, rebuild=True)  # re-initialise a built model on purpose
     assert model[0].weight is not kept
     assert torch.equal(model[0].weight, ref[0].weight.detach()[4:])
     assert shard_spec(model[0].weight) == ShardSpec(axis=0, full_shape=(8, 6), world_size=2,
@@ -580,3 +589,186 @@ def test_error_shard_spec_does_not_match_shape():
                        r"spec.*shape=\(2, 4\), local_shape=\(8, 4\), full_shape=\(8, 4\).*fix: "
                        r"shard tensors only through"):
         build(sch)
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def test_build_twice_is_refused_and_rebuild_builds_a_new_optimizer():
+    model = meta(plain_model)
+    sch = tl.create_schedule(model)
+    sch["1"].shard("weight", 0)
+    torch.manual_seed(SEED)
+    first, opt1 = build(sch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    values = state(first)
+    with pytest.raises(BuildError, match=r"(?s)^sch\[''\]\.build\(\.\.\.\): this schedule was already "
+                       r"built; a second build.*fix: .*torchloom\.build\(sch, rebuild=True"):
+        build(sch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    # rebuild: a new optimizer over the same parameters, nothing re-initialised or undone
+    second, opt2 = build(sch, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.1), rebuild=True)
+    assert second is first and isinstance(opt2, torch.optim.AdamW) and opt2 is not opt1
+    assert [p for g in opt2.param_groups for p in g["params"]] == list(model.parameters())
+    assert not [k for k, v in state(second).items() if not torch.equal(v, values[k])]
+    assert shard_spec(model[1].weight) is not None and sch.built
+    # rebuild with init_weights=True re-initialises every tensor (new values, new objects)
+    torch.manual_seed(SEED + 1)
+    build(sch, init_weights=True, rebuild=True)
+    assert not torch.equal(model[1].bias, values["1.bias"])
+
+
+def test_optimizer_factory_must_return_an_optimizer():
+    sch = tl.create_schedule(meta(plain_model))
+    with pytest.raises(BuildError, match=r"(?s)the optimizer factory returned a int, not a "
+                       r"torch\.optim\.Optimizer.*returned='int'"):
+        build(sch, optimizer=lambda ps: 42)
+    assert not sch.built  # a failed build can be retried
+    _, opt = build(sch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert isinstance(opt, torch.optim.SGD) and sch.built
+
+
+def _eval_mode_warnings(model: nn.Module, *primitives: str) -> list[str]:
+    import warnings
+
+    sch = tl.create_schedule(model)
+    for name in primitives:
+        getattr(sch["transformer.h"] if name == "checkpoint" else sch["transformer.drop"],
+                name)(*((0.5,) if name == "checkpoint" else ()))
+    sch["transformer.h.0.mlp.c_fc"].annotate("weight", "note", 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build(sch)
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+            and "eval mode" in str(w.message)]
+
+
+def test_build_warns_once_about_an_eval_mode_model_with_training_only_primitives(tmp_path):
+    tl.set_random_seed(0)
+    transformers.GPT2LMHeadModel(gpt2_cfg()).save_pretrained(tmp_path)
+    pretrained = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert not pretrained.training  # what from_pretrained returns
+    found = _eval_mode_warnings(pretrained, "checkpoint", "fork_rng")
+    assert len(found) == 1, found  # one warning per build call, not one per module
+    assert found[0].startswith(
+        "build: the model is in eval mode, so checkpoint / fork_rng at 'transformer.h', "
+        "'transformer.drop' do nothing")
+    assert "call model.train()" in found[0]
+    # a model in training mode, or an eval model with no training-only primitive: silent
+    train = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).train()
+    assert _eval_mode_warnings(train, "checkpoint", "fork_rng") == []
+    assert _eval_mode_warnings(transformers.GPT2LMHeadModel.from_pretrained(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------- one module at a time
+# (issue 14: build from meta holds this rank's shard plus the full-size tensors of the
+# module being initialised; the values are still those of the unsharded init, sliced)
+
+
+@pytest.fixture
+def fake_rank1():
+    """Rank 1 of a fake process group of 2 in this process (collectives do nothing)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_tp_rank_from_meta_equals_the_slices_of_the_unsharded_init(name, fake_rank1):
+    from torchloom import models
+
+    cls, cfg = HF_MODELS[name]
+    whole = built(meta(lambda: cls(cfg())))  # same seed, no schedule
+    model = meta(lambda: cls(cfg()))
+    sch = tl.create_schedule(model)
+    models.apply_schedule(sch, tp=True)  # GPT-2: c_attn chunks=3, tied wte / lm_head
+    torch.manual_seed(SEED)
+    build(sch)
+    ref = state(whole)
+    specs = 0
+    for key, value in model.state_dict(keep_vars=True).items():
+        spec = shard_spec(value)
+        specs += spec is not None
+        want = spec.slice(ref[key]) if spec is not None else ref[key]
+        assert torch.equal(value.detach(), want), key
+    assert specs >= 8
+    if name == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+class RedrawsChild(nn.Module):
+    """A parent whose init writes a child's tensor (as GPT-2's attention re-draws
+    c_proj.weight), and one that reads its child's whole tensor (a norm of it)."""
+
+    def __init__(self, normalise: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.normalise = normalise
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.normalise:
+            self.fc.weight.div_(self.fc.weight.norm())
+        else:
+            nn.init.normal_(self.fc.weight, std=0.5)
+
+
+def test_a_parent_writing_a_childs_sharded_tensor_equals_the_unsharded_init():
+    model = meta(lambda: nn.Sequential(RedrawsChild(), nn.Linear(8, 2)))
+    sch = tl.create_schedule(model)
+    _fake_world(sch["0.fc"], 2, 1)
+    sch["0.fc"].shard("weight", 0)
+    torch.manual_seed(SEED)
+    build(sch)
+    ref = eager(lambda: nn.Sequential(RedrawsChild(), nn.Linear(8, 2)))
+    assert torch.equal(model[0].fc.weight, ref[0].fc.weight.detach()[4:])
+    assert torch.equal(model[1].weight, ref[1].weight)
+
+
+def test_an_init_reading_the_parts_other_ranks_keep_is_refused():
+    model = meta(lambda: nn.Sequential(RedrawsChild(normalise=True)))
+    sch = tl.create_schedule(model)
+    _fake_world(sch["0.fc"], 2, 1)
+    sch["0.fc"].shard("weight", 0)
+    with pytest.raises(BuildError, match=r"(?s)init code of 0 read the parts of '0\.fc\.weight' "
+                       r"that other ranks keep.*fix: pass build\(sch, param_init_fn=fn\)"):
+        build(sch)
+    assert model[0].fc.weight.is_meta  # rolled back
+    # unsharded, the same init is fine
+    whole = meta(lambda: nn.Sequential(RedrawsChild(normalise=True)))
+    built(whole)
+    assert torch.allclose(whole[0].fc.weight.norm(), torch.tensor(1.0))
+
+
+class ItemInInit(nn.Linear):
+    """An init that reads a value (``.item()``), which the dry run on meta cannot do."""
+
+    armed = False  # set after construction (under init_empty_weights it would fail)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.armed and self.weight.sum().item() > 1e9:  # never true; a real read
+            self.weight.zero_()
+
+
+def test_init_code_the_dry_run_cannot_run_falls_back_to_the_whole_module():
+    model = meta(lambda: nn.Sequential(ItemInInit(4, 6), nn.Linear(6, 2)))
+    model[0].armed = True
+    sch = tl.create_schedule(model)
+    _fake_world(sch["0"], 2, 0)
+    sch["0"].shard("weight", 0)
+    torch.manual_seed(SEED)
+    build(sch)
+    ref = eager(lambda: nn.Sequential(ItemInInit(4, 6), nn.Linear(6, 2)))
+    assert torch.equal(model[0].weight, ref[0].weight.detach()[:3])
+    assert torch.equal(model[1].weight, ref[1].weight)
+
+
+def test_gradient_hooks_on_meta_parameters_survive_build():
+    model = meta(lambda: nn.Linear(3, 2))
+    model.weight.register_hook(lambda grad: grad * 10)
+    built(model)
+    model(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 10.0))

@@ -42,16 +42,25 @@ from .rng import set_random_seed
 from .schedule import Schedule, ScheduleGroup, create_schedule
 from . import state
 from .state import (
+    Checkpoint,
     CheckpointIOError,
     CheckpointMismatchError,
     CollectiveTimeoutError,
+    find_checkpoint,
     full_optimizer_state_dict,
     full_state_dict,
     init_distributed,
+    list_checkpoints,
     load,
     save,
 )
 from .verify import VerificationError, Verify
+from .errors import PretrainedError
+from .pretrained import save_pretrained
+from .errors import ScheduleMismatchError
+from .agree import check_ranks_agree
+from .errors import CollectiveShapeError, RankFailedError
+from .weights import load_weights
 
 __version__ = "0.1.0"
 
@@ -74,7 +83,10 @@ __all__ = [
     "PatternError",
     "TraceError",
     "TraceGuardError",
+    "Checkpoint",
     "CheckpointIOError",
+    "find_checkpoint",
+    "list_checkpoints",
     "CheckpointMismatchError",
     "CollectiveTimeoutError",
     "full_optimizer_state_dict",
@@ -106,6 +118,7 @@ __all__ = [
     "SyncError",
     "__version__",
     "apply_recipe",
+    "load_weights",
     "build",
     "create_schedule",
     "get_meta",
@@ -113,4 +126,10 @@ __all__ = [
     "list_primitives",
     "set_random_seed",
     "shard_spec",
+    "ScheduleMismatchError",
+    "check_ranks_agree",
+    "CollectiveShapeError",
+    "RankFailedError",
+    "PretrainedError",
+    "save_pretrained",
 ]

@@ -48,6 +48,13 @@ class ShardSpec:
         chunks: the number of equal blocks the axis is made of (3 for a fused q/k/v
             projection); each block is split on its own and a rank keeps its piece of
             every block, so rank r holds ``[q_r | k_r | v_r]``. 1 for a plain split.
+        replicas: how many consecutive ranks hold the same piece (1: every rank holds its
+            own). The axis is then split into ``pieces = world_size // replicas`` pieces
+            and rank r holds piece ``r // replicas``: the layout of GQA key/value heads
+            when there are fewer of them than tensor-parallel ranks (Llama with 2 KV heads
+            at TP=4: ranks 0, 1 hold head 0 and ranks 2, 3 head 1). ``gather`` takes one
+            copy of each piece; the ranks sharing a piece must keep equal values (their
+            gradients summed over those ranks, see :mod:`torchloom.models.llama`).
     """
 
     axis: int
@@ -55,6 +62,30 @@ class ShardSpec:
     world_size: int
     rank: int
     chunks: int = 1
+    replicas: int = 1
+
+    def __repr__(self) -> str:
+        extra = f", replicas={self.replicas}" if self.replicas != 1 else ""
+        return (f"ShardSpec(axis={self.axis}, full_shape={self.full_shape}, "
+                f"world_size={self.world_size}, rank={self.rank}, chunks={self.chunks}{extra})")
+
+    @property
+    def pieces(self) -> int:
+        """The number of distinct pieces the axis (each block of it) is split into.
+
+        >>> ShardSpec(axis=0, full_shape=(8, 4), world_size=4, rank=3, replicas=2).pieces
+        2
+        """
+        return self.world_size // self.replicas
+
+    @property
+    def piece(self) -> int:
+        """The piece this rank holds (its rank when nothing is replicated).
+
+        >>> ShardSpec(axis=0, full_shape=(8, 4), world_size=4, rank=3, replicas=2).piece
+        1
+        """
+        return self.rank // self.replicas
 
     def slice(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``full`` (a view where possible).
@@ -64,9 +95,11 @@ class ShardSpec:
         [6, 7, 8, 9, 10, 11]
         >>> ShardSpec(axis=0, full_shape=(12,), world_size=2, rank=1, chunks=3).slice(t).tolist()
         [2, 3, 6, 7, 10, 11]
+        >>> ShardSpec(axis=0, full_shape=(12,), world_size=4, rank=1, replicas=2).slice(t).tolist()
+        [0, 1, 2, 3, 4, 5]
         """
         blocks = full.chunk(self.chunks, dim=self.axis)
-        pieces = [b.chunk(self.world_size, dim=self.axis)[self.rank] for b in blocks]
+        pieces = [b.chunk(self.pieces, dim=self.axis)[self.piece] for b in blocks]
         return pieces[0] if self.chunks == 1 else torch.cat(pieces, dim=self.axis)
 
     def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -76,10 +109,28 @@ class ShardSpec:
         >>> t = torch.arange(12)
         >>> torch.equal(specs[0].gather([s.slice(t) for s in specs]), t)
         True
+        >>> specs = [ShardSpec(0, (12,), 4, r, replicas=2) for r in range(4)]
+        >>> torch.equal(specs[0].gather([s.slice(t) for s in specs]), t)
+        True
         """
+        pieces = pieces[::self.replicas]  # one copy of each piece
         split = [p.chunk(self.chunks, dim=self.axis) for p in pieces]
         blocks = [torch.cat([s[c] for s in split], dim=self.axis) for c in range(self.chunks)]
         return torch.cat(blocks, dim=self.axis)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges of the full axis this rank holds, in local order
+        (one per block): what a reader of the full tensor must fetch.
+
+        >>> ShardSpec(axis=0, full_shape=(12,), world_size=2, rank=1, chunks=3).ranges()
+        [(2, 4), (6, 8), (10, 12)]
+        >>> ShardSpec(axis=0, full_shape=(12,), world_size=4, rank=3, replicas=2).ranges()
+        [(6, 12)]
+        """
+        block = self.full_shape[self.axis] // self.chunks
+        piece = block // self.pieces
+        return [(b * block + self.piece * piece, b * block + (self.piece + 1) * piece)
+                for b in range(self.chunks)]
 
     def local_shape(self) -> tuple[int, ...]:
         """The shape of one slice.
@@ -88,7 +139,7 @@ class ShardSpec:
         (4, 3)
         """
         shape = list(self.full_shape)
-        shape[self.axis] //= self.world_size
+        shape[self.axis] //= self.pieces
         return tuple(shape)
 
 

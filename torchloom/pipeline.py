@@ -23,7 +23,14 @@ How a model becomes stages:
 
 Parameters shared by several stages (GPT-2's ``lm_head`` and ``wte``) stay tied: after
 backward their gradients are summed across the stages that hold them, so every copy
-takes the same optimizer step.
+takes the same optimizer step. :func:`tied_weights` lists them (which stages share which
+parameter, under which names).
+
+A model built under ``init_empty_weights`` (``meta`` weights, nothing allocated) is split
+the same way: the example values are then computed on fake tensors (see
+:func:`torchloom.tracing.value_mode`), and without ``example_inputs`` the split uses
+:func:`torchloom.tracing.dummy_inputs` made from the model's config. Stages are then cut
+before any weight exists; ``build`` materialises them.
 
 >>> import torch
 >>> from torch import nn
@@ -52,14 +59,16 @@ import torch.fx as fx
 from torch import nn
 
 from ._outputs import main_tensor
+from .collectives import guard_collective
 from .errors import BuildError
-from .tracing import _guard_equal, is_guard, is_traced
+from .tracing import (_guard_equal, _tensors_on_meta, dummy_inputs, is_guard, is_traced,
+                      on_meta, value_mode)
 
 if TYPE_CHECKING:
     from .schedule import Schedule
 
-__all__ = ["CUT_MARK", "cut_paths", "split_stages", "Stages", "PipelineModel", "build_pipeline",
-           "check_schedule"]
+__all__ = ["CUT_MARK", "cut_paths", "split_stages", "Stages", "TiedWeight", "tied_weights",
+           "PipelineModel", "build_pipeline", "check_schedule", "local_stage_tensors"]
 
 CUT_MARK = "_torchloom_pipeline_cut"
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -218,8 +227,27 @@ def _unpack_crossing_tuples(flat: fx.GraphModule, values: dict[fx.Node, Any],
     return changed
 
 
-def split_stages(sch: Schedule, example_inputs: tuple | dict) -> Stages:
-    """Split the model of ``sch`` at its cut marks (see the module docstring)."""
+def _example(sch: Schedule, example_inputs: tuple | dict | None) -> tuple | dict:
+    if example_inputs is not None:
+        return example_inputs
+    made = dummy_inputs(sch.root.mod)
+    if made is None:
+        raise BuildError(
+            "no example micro-batch: the model has no config to make dummy inputs from",
+            path="", primitive="build", values={"model": type(sch.root.mod).__name__},
+            fix="pass one micro-batch: example_inputs=(micro_batch_input_ids,)",
+        )
+    return made
+
+
+def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> Stages:
+    """Split the model of ``sch`` at its cut marks (see the module docstring).
+
+    ``example_inputs`` is one micro-batch (a tuple of positional inputs or a dict of
+    keyword inputs); None: :func:`torchloom.tracing.dummy_inputs` of a transformers model.
+    On a model with ``meta`` weights the example values are fake tensors.
+    """
+    example_inputs = _example(sch, example_inputs)
     root = sch.root
     cuts = cut_paths(root)
     if not cuts:
@@ -238,9 +266,17 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict) -> Stages:
     args, kwargs = (((), dict(example_inputs)) if isinstance(example_inputs, dict)
                     else (tuple(example_inputs), {}))
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
-    recorder = _Recorder(flat, _bind(flat, args, kwargs, ""))
-    with torch.no_grad():
+    mode = value_mode(root.mod, (args, kwargs))
+
+    def record(args: tuple, kwargs: dict) -> _Recorder:
+        recorder = _Recorder(flat, _bind(flat, args, kwargs, ""))
         recorder.run()
+        return recorder
+
+    # meta weights: every value is a meta (or fake) tensor, nothing is allocated
+    with torch.no_grad(), _tensors_on_meta(root.mod, mode is not None):
+        recorder = record(args, kwargs) if mode is None else \
+            on_meta(mode, record, args, kwargs)
     values = recorder.values
 
     def assign() -> tuple[dict[fx.Node, int], list[str]]:
@@ -361,11 +397,82 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict) -> Stages:
     return Stages(modules=modules, inputs=inputs, ties=ties, folded=folded, cuts=cuts, flat=flat)
 
 
+@dataclass(frozen=True)
+class TiedWeight:
+    """One parameter that several pipeline stages use (and so hold a copy of).
+
+    Attributes:
+        names: every name of the parameter in the model (tied aliases included), in
+            ``named_parameters(remove_duplicate=False)`` order, e.g.
+            ``('transformer.wte.weight', 'lm_head.weight')``.
+        stages: the stages that use it, ascending.
+        stage_names: for each stage in ``stages``, the parameter's name in that stage's
+            module (the path of the module that uses it there).
+        shape: its shape (local, as sharded).
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    stage_names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+def tied_weights(sch: Schedule, example_inputs: tuple | dict | None = None
+                 ) -> list[TiedWeight]:
+    """The parameters shared by several pipeline stages of ``sch`` (cut with
+    ``cut_pipeline_stage``), in the order the stages first use them.
+
+    A pipelined model keeps one copy of such a parameter in every stage that uses it
+    (GPT-2's token embedding, used by the first stage, is the head's weight in the last);
+    ``build(target="pipeline")`` sums their gradients across the ranks that hold them after
+    each step, so the copies stay equal. A loader or saver uses this to read or write such
+    a tensor once. Works on a model with ``meta`` weights (nothing is allocated);
+    ``example_inputs`` as for :func:`split_stages`.
+
+    >>> import torch, transformers, torchloom as tl
+    >>> cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)
+    >>> with tl.init_empty_weights():
+    ...     model = transformers.GPT2LMHeadModel(cfg)
+    >>> sch = tl.create_schedule(model)
+    >>> sch.trace_until("transformer.h.*")
+    >>> sch["transformer.h.0"].cut_pipeline_stage()
+    >>> [(t.names, t.stages) for t in tl.pipeline.tied_weights(sch)]
+    [(('transformer.wte.weight', 'lm_head.weight'), (0, 1))]
+    """
+    split = split_stages(sch, example_inputs)
+    model = sch.root.mod
+    named = list(model.named_parameters(remove_duplicate=False))
+    result = []
+    for places in split.ties:
+        param = split.modules[places[0][0]].get_parameter(places[0][1])
+        result.append(TiedWeight(
+            names=tuple(n for n, p in named if p is param),
+            stages=tuple(k for k, _ in places),
+            stage_names=tuple(name for _, name in places),
+            shape=tuple(param.shape),
+        ))
+    return result
+
+
 def replay_stages(stages: Stages, inputs: tuple | dict) -> list[tuple[Any, Any]]:
     """Run every stage on the exact values the whole (flat) model computes for ``inputs``
     and return, per stage after the first, ``(what the stage computed, what the model
     computed)``: they differ where a stage uses an example constant that does not hold for
-    these inputs (what the stage computed is then an exception or other values)."""
+    these inputs (what the stage computed is then an exception or other values). Everything
+    runs in eval mode (restored afterwards), so dropout draws no masks and the two runs are
+    comparable bit for bit."""
+    assert stages.flat is not None
+    modes = [(m, m.training) for root in (stages.flat, *stages.modules) for m in root.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        return _replay(stages, inputs)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _replay(stages: Stages, inputs: tuple | dict) -> list[tuple[Any, Any]]:
     assert stages.flat is not None
     args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (tuple(inputs), {})
     recorder = _Recorder(stages.flat, _bind(stages.flat, args, kwargs, ""))
@@ -484,7 +591,102 @@ def check_schedule(schedule: Any, num_ranks: int, num_stages: int, n_microbatche
     return max(len(actions) for actions in simulated.values())
 
 
-class PipelineModel:
+def _mirror_into(dst: nn.Module, src: nn.Module, path: str, source: nn.Module | None) -> None:
+    """Put the modules and tensors of a stage module ``src`` into ``dst`` at their original
+    paths. fx gives a stage module an empty ``nn.Module`` for each path component on the
+    way to a module or tensor the graph uses; here those become containers of ``dst``
+    (shared by the stages of this rank), the original modules are inserted as they are."""
+    for name, param in src._parameters.items():
+        if param is not None:
+            _put(dst, name, param, path, persistent=True)
+    for name, buf in src._buffers.items():
+        if buf is not None:
+            persistent = name not in src._non_persistent_buffers_set and \
+                _persistent_in(source, path, name)
+            _put(dst, name, buf, path, persistent=persistent)
+    for name, child in src._modules.items():
+        if child is None:
+            continue
+        here = dst._modules.get(name)
+        sub = _join(path, name)
+        if type(child) is nn.Module:  # a container fx made
+            if here is None:
+                here = nn.Module()
+                _add(dst, name, here, sub)
+            if type(here) is nn.Module:
+                _mirror_into(here, child, sub, source)
+            else:
+                _check_inside(here, child, sub)
+        elif here is None:
+            _add(dst, name, child, sub)
+        elif here is not child:
+            if type(here) is not nn.Module:
+                raise BuildError(
+                    f"two stages hold different modules at {sub!r}", path=sub,
+                    primitive="build", values={"modules": [type(here).__name__,
+                                                           type(child).__name__]},
+                    fix="cut the model at module boundaries of the original tree")
+            _check_inside(child, here, sub)  # the module replaces the container made earlier
+            dst._modules[name] = child
+
+
+def _persistent_in(source: nn.Module | None, path: str, name: str) -> bool:
+    """Whether ``path.name`` is a persistent buffer of the original model (a tensor fx put
+    on a container may be a non-persistent buffer or a traced constant)."""
+    if source is None:
+        return True
+    try:
+        owner = source.get_submodule(path) if path else source
+    except AttributeError:
+        return False
+    return name in owner._buffers and name not in owner._non_persistent_buffers_set
+
+
+def _add(dst: nn.Module, name: str, module: nn.Module, path: str) -> None:
+    try:
+        dst.add_module(name, module)
+    except KeyError as exc:
+        raise BuildError(
+            f"the model's {path!r} clashes with an attribute of the pipeline model",
+            path=path, primitive="build", values={"name": name},
+            fix="rename that sub-module of the model") from exc
+
+
+def _put(dst: nn.Module, name: str, tensor: torch.Tensor, path: str, persistent: bool) -> None:
+    here = dst._parameters.get(name, dst._buffers.get(name))
+    if here is tensor:
+        return
+    where = _join(path, name)
+    if here is not None:
+        raise BuildError(f"two stages hold different tensors under {where!r}", path=path,
+                         primitive="build", values={"key": where},
+                         fix="cut the model at module boundaries of the original tree")
+    try:
+        if isinstance(tensor, nn.Parameter):
+            dst.register_parameter(name, tensor)
+        else:
+            dst.register_buffer(name, tensor, persistent=persistent)
+    except KeyError as exc:
+        raise BuildError(
+            f"the model's tensor {where!r} clashes with an attribute of the pipeline model",
+            path=path, primitive="build", values={"key": where},
+            fix="rename that tensor of the model") from exc
+
+
+def _check_inside(real: nn.Module, container: nn.Module, path: str) -> None:
+    """Every tensor of ``container`` is the same tensor at the same name in ``real``."""
+    mine = dict(real.named_parameters(remove_duplicate=False))
+    mine.update(real.named_buffers(remove_duplicate=False))
+    for name, tensor in [*container.named_parameters(remove_duplicate=False),
+                         *container.named_buffers(remove_duplicate=False)]:
+        if mine.get(name) is not tensor:
+            raise BuildError(
+                f"two stages hold different tensors under {_join(path, name)!r}", path=path,
+                primitive="build", values={"key": _join(path, name)},
+                fix="cut the model at module boundaries of the original tree")
+
+
+class PipelineModel(nn.Module):
     """This rank's part of a pipelined model and the schedule that runs it.
 
     ``step(*inputs, target=None)`` runs one training step over ``n_microbatches``
@@ -492,29 +694,95 @@ class PipelineModel:
     them) and target (only the last stage uses it). It returns the mean loss over the
     micro-batches on the rank holding the last stage, None elsewhere, and leaves in every
     local parameter's ``.grad`` the gradient of the full-batch mean loss.
+
+    It is an ``nn.Module`` whose tree holds this rank's stage modules under their original
+    paths, so ``state_dict()`` has the original model's keys, for the tensors of this
+    rank's stages only, and ``parameters()``, ``named_parameters()``, ``load_state_dict``
+    and ``train()`` / ``eval()`` work as on the model (a weight tied across stages, GPT-2's
+    ``transformer.wte.weight`` / ``lm_head.weight``, is under its key on each rank that
+    uses it; ``step`` keeps the copies equal). On top of that:
+
+    * ``pipe(*inputs)``: an evaluation forward (no backward; under ``torch.no_grad``):
+      the full batch (``n_microbatches`` micro-batches of the example's shape, as for
+      ``step``) runs through the stages; the last stage's output (the logits), the
+      micro-batches concatenated, is returned on the rank holding the last stage, None
+      on the others (broadcast it yourself if every rank needs it). Dropout follows the
+      module mode: call ``pipe.eval()`` first for deterministic outputs.
+    * ``pipe.full_state_dict()`` (and ``torchloom.full_state_dict(pipe)``): the whole
+      original state dict on every rank, gathered over the pipeline (and tensor-parallel)
+      ranks; a collective of the default process group.
+    * ``torchloom.save`` / ``torchloom.load``: each rank writes and reads its own stages'
+      tensors; the checkpoint holds the whole model under the original keys, so it loads
+      into the same layout or into the unpipelined model.
+    * ``torchloom.save_pretrained(pipe, path)``: a Hugging Face folder of the whole model.
     """
 
     def __init__(self, stage_modules: list[nn.Module], stages: list[Any], schedule: Any,
-                 ties: list[tuple[nn.Parameter, Any]], last: bool, simulated_steps: int) -> None:
+                 ties: list[tuple[nn.Parameter, Any]], last: bool, simulated_steps: int, *,
+                 split: Stages | None = None, source: nn.Module | None = None,
+                 group: Any = None) -> None:
+        super().__init__()
         self.stage_modules = stage_modules
         self.stages = stages
         self.schedule = schedule
         self.ties = ties
         self.is_last = last
         self.simulated_steps = simulated_steps
+        self.pp_group = group
+        for module in stage_modules:
+            _mirror_into(self, module, "", source)
+        everything = split.modules if split is not None else stage_modules
+        whole = nn.Module()
+        for module in everything:
+            _mirror_into(whole, module, "", source)
+        #: every key of the whole model, in stage order (read by save_pretrained and load)
+        self._torchloom_key_order: list[str] = list(whole.state_dict().keys())
+        #: keys of one parameter held by several stages (tied weights)
+        self._torchloom_tied_keys: list[list[str]] = [
+            list(dict.fromkeys(name for _, name in places))
+            for places in (split.ties if split is not None else [])]
+        if source is not None:
+            from .pretrained import describe_model
+
+            self._torchloom_pretrained_info = describe_model(source)
 
     @property
     def stage_module(self) -> nn.Module:
         """The (first) stage module this rank holds."""
         return self.stage_modules[0]
 
-    def parameters(self) -> Any:
-        seen: set[int] = set()
+    def all_state_dict_keys(self) -> list[str]:
+        """The state-dict keys of the whole model (every stage's), in stage order."""
+        return list(self._torchloom_key_order)
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        super().train(mode)
         for module in self.stage_modules:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+            module.train(mode)
+        return self
+
+    def full_state_dict(self, group: Any = None) -> dict[str, torch.Tensor]:
+        """The whole original state dict on every rank (see the class docstring); ``group``
+        is the tensor-parallel group the stages were scheduled with."""
+        from .pretrained import gather_full_state_dict
+
+        return gather_full_state_dict(self, group)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Evaluation forward (see the class docstring): the last stage's output on the
+        rank holding it, None elsewhere."""
+        loss_fn = getattr(self.schedule, "_loss_fn", None)
+        try:
+            # the runtime computes the loss whenever it has a loss function, and there is
+            # no target here; eval() already skips the backward
+            if loss_fn is not None:
+                self.schedule._loss_fn = None
+            with torch.no_grad():
+                out = self.schedule.eval(*inputs, **kwargs)
+        finally:
+            if loss_fn is not None:
+                self.schedule._loss_fn = loss_fn
+        return out if self.is_last else None
 
     def step(self, *inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -525,20 +793,15 @@ class PipelineModel:
         for param, group in self.ties:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            with guard_collective("all_reduce", "build", group,
+                                  fix="call pipe.step(...) on every rank of the pipeline"):
+                dist.all_reduce(param.grad, group=group)
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return None
 
 
-def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int = 4,
-                   loss_fn: Callable[..., torch.Tensor] | None = None,
-                   example_inputs: tuple | dict | None = None, group: Any = None,
-                   device: str | torch.device = "cpu") -> PipelineModel:
-    """Split, keep this rank's stages, and wrap them in the named schedule (see
-    :func:`torchloom.build` with ``target="pipeline"``)."""
-    from torch.distributed.pipelining import PipelineStage
-
+def _check_pipeline_args(example_inputs: Any, loss_fn: Any) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise BuildError(
             "a pipeline runs its stages on several ranks and needs a process group",
@@ -556,11 +819,13 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
         raise BuildError("a pipeline trains with a loss computed on the last stage",
                          primitive="build", values={"loss_fn": None},
                          fix="build(sch, target='pipeline', loss_fn=lambda logits, target: ...)")
-    cls = _schedule_class(schedule)
+
+
+def _my_stages(num_stages: int, schedule: str, group: Any) -> list[int]:
+    """The stages this rank runs (stage k on pipeline rank k mod ranks), after checking
+    that the schedule has the number of stages the ranks need."""
     ranks = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    split = split_stages(sch, example_inputs)
-    num_stages = len(split.modules)
     per_rank = 2 if schedule == "Interleaved1F1B" else 1
     if num_stages != ranks * per_rank:
         raise BuildError(
@@ -570,7 +835,45 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
             fix=f"cut the model into {ranks * per_rank} stages "
             f"({ranks * per_rank - 1} cut_pipeline_stage() calls)",
         )
-    mine = [k for k in range(num_stages) if k % ranks == rank]
+    return [k for k in range(num_stages) if k % ranks == rank]
+
+
+def local_stage_tensors(sch: Schedule, *, schedule: str = "1F1B",
+                        example_inputs: tuple | dict | None = None, loss_fn: Any = None,
+                        group: Any = None) -> set[int]:
+    """The ids of the parameters and buffers that this rank's stages hold, computed on the
+    model as it is (``meta`` weights included: the split runs on fake values, nothing is
+    allocated). ``build(target="pipeline", weights=PATH)`` materialises only these; the
+    tensors of other ranks' stages stay on ``meta``."""
+    _check_pipeline_args(example_inputs, loss_fn)
+    _schedule_class(schedule)
+    split = split_stages(sch, example_inputs)
+    mine = _my_stages(len(split.modules), schedule, group)
+    ids: set[int] = set()
+    for k in mine:
+        module = split.modules[k]
+        for _, t in [*module.named_parameters(remove_duplicate=False),
+                     *module.named_buffers(remove_duplicate=False)]:
+            ids.add(id(t))
+    return ids
+
+
+def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int = 4,
+                   loss_fn: Callable[..., torch.Tensor] | None = None,
+                   example_inputs: tuple | dict | None = None, group: Any = None,
+                   device: str | torch.device = "cpu") -> PipelineModel:
+    """Split, keep this rank's stages, and wrap them in the named schedule (see
+    :func:`torchloom.build` with ``target="pipeline"``)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    _check_pipeline_args(example_inputs, loss_fn)
+    cls = _schedule_class(schedule)
+    ranks = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    split = split_stages(sch, example_inputs)
+    num_stages = len(split.modules)
+    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    mine = _my_stages(num_stages, schedule, group)
     dev = torch.device(device)
     stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group) for k in mine]
     runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches,
@@ -589,4 +892,5 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
             k, name = next((k, n) for k, n in places if k in mine)
             ties.append((split.modules[k].get_parameter(name), tie_group))
     return PipelineModel([split.modules[k] for k in mine], stages, runner, ties,
-                         last=(num_stages - 1) in mine, simulated_steps=simulated)
+                         last=(num_stages - 1) in mine, simulated_steps=simulated,
+                         split=split, source=sch.mod, group=group)

@@ -140,6 +140,20 @@ class FusedQKVBertSelfAttention(SDPABertSelfAttention):
                    scaling=head ** -0.5 if scaling is None else scaling,
                    is_causal=is_causal, layer_idx=layer_idx)
 
+    def torchloom_checkpoint_parts(self) -> dict[str, tuple[list[str], int]]:
+        """Where a checkpoint of the original model keeps each fused tensor: ``qkv.weight``
+        is ``query.weight``, ``key.weight`` and ``value.weight`` concatenated along axis 0
+        (the same for the bias). ``build(weights=...)`` reads those keys.
+
+        >>> q, k, v = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        >>> fused = FusedQKVBertSelfAttention.from_linears(q, k, v, nn.Dropout(0.0),
+        ...                                               num_attention_heads=2)
+        >>> fused.torchloom_checkpoint_parts()["qkv.bias"]
+        (['query.bias', 'key.bias', 'value.bias'], 0)
+        """
+        return {f"qkv.{name}": ([f"{part}.{name}" for part in _NAMES], 0)
+                for name in ("weight", "bias") if getattr(self.qkv, name, None) is not None}
+
     def _project(self, hidden_states: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (*hidden_states.shape[:-1], 3, -1, self.attention_head_size)

@@ -263,7 +263,8 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,
 
 def _all_reduce_in_place(x: torch.Tensor, op: Any, group: Any, world_size: int) -> None:
     if world_size > 1:
-        dist.all_reduce(x, op=op, group=group)
+        with C.guard_collective("all_reduce", "vocab_parallel_cross_entropy", group):
+            dist.all_reduce(x, op=op, group=group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
