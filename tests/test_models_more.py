@@ -193,3 +193,123 @@ def test_kernel_knob_errors():
     assert info.value.values == {"compile": "1"}
     assert info.value.path == ""
     assert len(sch.recipe) == 0
+
+
+# --------------------------------------------------------------------------- sizes, knobs, GQA
+
+
+def _default(cls_name: str, **sizes) -> nn.Module:
+    """A transformers model from its default config with only sizes changed."""
+    import transformers
+
+    torch.manual_seed(0)
+    cls = getattr(transformers, cls_name)
+    return cls(cls.config_class(**sizes))
+
+
+@pytest.mark.parametrize("cls_name,sizes,knobs", [
+    ("LlamaForCausalLM", dict(num_hidden_layers=1, hidden_size=48, intermediate_size=96,
+                              num_attention_heads=6, num_key_value_heads=3, vocab_size=64),
+     {"tp": True, "ckpt_ratio": 1.0}),
+    ("OPTForCausalLM", dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                            ffn_dim=66, vocab_size=64, word_embed_proj_dim=32), {"tp": True}),
+    ("T5ForConditionalGeneration", dict(num_layers=1, d_model=32, d_kv=8, num_heads=6,
+                                        d_ff=64, vocab_size=64), {"tp": True}),
+])
+def test_tp_size_refusals_leave_the_model_unchanged(cls_name, sizes, knobs):
+    model = _default(cls_name, **sizes)
+    before = {k: (v.shape, v.clone()) for k, v in model.state_dict().items()}
+    modules = [type(m).__name__ for m in model.modules()]
+    sch = tl.create_schedule(model)
+    sch.world_size = 4 if "Llama" not in cls_name else 2  # what the checks read
+    with pytest.raises(ScheduleError, match="does not divide|neither a multiple"):
+        models.apply_schedule(sch, **knobs)
+    assert len(sch.recipe) == 0
+    assert [type(m).__name__ for m in model.modules()] == modules
+    for key, value in model.state_dict().items():
+        assert value.shape == before[key][0] and torch.equal(value, before[key][1]), key
+    assert not any(tl.shard_spec(p) for p in model.parameters())
+
+
+def test_gpt2_kernel_replacements_wait_for_the_size_checks():
+    model = _default("GPT2LMHeadModel", n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                     bos_token_id=0, eos_token_id=0)
+    sch = tl.create_schedule(model)
+    sch.world_size = 3
+    with pytest.raises(ScheduleError, match="n_head=4 does not divide by 3"):
+        models.apply_schedule(sch, tp=True, attention="sdpa")
+    assert len(sch.recipe) == 0
+    assert type(model.transformer.h[0].attn).__name__ == "GPT2Attention"
+
+
+def test_unknown_knob_lists_the_valid_ones():
+    sch = tl.create_schedule(_make("t5", {}, None))
+    with pytest.raises(ScheduleError) as info:
+        models.apply_schedule(sch, tp=True, ckpt=0.5)
+    assert info.value.values == {"unknown": ["ckpt"],
+                                 "knobs": ["tp", "sequence_parallel", "ckpt_ratio", "compile"]}
+    assert info.value.fix == "apply_schedule(sch, ckpt_ratio=0.5)"
+    assert len(sch.recipe) == 0
+
+
+def _rank_attention(full: nn.Module, rank: int, world: int) -> nn.Module:
+    """Layer 0's attention as rank ``rank`` of ``world`` holds it under the built-in
+    schedule's GQA layout (the rank is faked on the nodes, so no process group)."""
+    from torchloom.models.llama import replicate_kv_heads
+
+    model = copy.deepcopy(full)
+    sch = tl.create_schedule(model)
+    attn = sch["model.layers.0.self_attn"]
+    for name, axis in (("q_proj", 0), ("o_proj", 1)):
+        node = attn[name]
+        node.world_size, node.rank = world, rank
+        node.shard("weight", axis)
+    attn.replace(replicate_kv_heads)
+    return model.model.layers[0].self_attn
+
+
+@pytest.mark.parametrize("kv,world", [(2, 4), (1, 2), (1, 4)])
+def test_replicated_kv_heads_add_up_to_the_full_attention(kv, world):
+    """The layout and the gradient rule of fewer KV heads than ranks, all ranks in one
+    process: rank r's k_proj / v_proj hold KV head ``r * kv // world``; the ranks' o_proj
+    partial outputs sum to the full attention's output; and a replicated KV weight's full
+    gradient is the sum of its sharing ranks' gradients (what the schedule's grad_sum
+    all-reduce computes), while the sum over all ranks would be wrong."""
+    full = _default("LlamaForCausalLM", num_hidden_layers=1, hidden_size=64,
+                    intermediate_size=128, num_attention_heads=8, num_key_value_heads=kv,
+                    vocab_size=64)
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(5)[None].expand(2, -1)
+    cos_sin = full.model.rotary_emb(hidden, position_ids)
+    weight = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2))
+    ref_attn = full.model.layers[0].self_attn
+    ref_out = ref_attn(hidden, position_embeddings=cos_sin, attention_mask=None)[0]
+    (ref_out * weight).sum().backward()
+
+    ranks = [_rank_attention(full, r, world) for r in range(world)]
+    out = sum(attn(hidden, position_embeddings=cos_sin, attention_mask=None)[0]
+              for attn in ranks)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    (out * weight).sum().backward()
+    replicas, head_dim = world // kv, 8
+    for name in ("k_proj", "v_proj"):
+        ref_grad = getattr(ref_attn, name).weight.grad
+        for g in range(kv):
+            sharing = ranks[g * replicas:(g + 1) * replicas]
+            for attn in sharing:
+                spec = tl.shard_spec(getattr(attn, name).weight)
+                assert (spec.replicas, spec.piece, spec.full_shape) == (replicas, g, (kv * 8, 64))
+                torch.testing.assert_close(getattr(attn, name).weight.detach(),
+                                           getattr(ref_attn, name).weight[spec.slice(
+                                               torch.arange(kv * head_dim))].detach())
+            summed = sum(getattr(attn, name).weight.grad for attn in sharing)
+            rows = ref_grad[g * head_dim:(g + 1) * head_dim]
+            torch.testing.assert_close(summed, rows, rtol=1e-5, atol=1e-5)
+            if kv > 1:  # all ranks' sum mixes the heads
+                wrong = sum(getattr(attn, name).weight.grad for attn in ranks)
+                assert not torch.allclose(wrong, rows, rtol=1e-3, atol=1e-3)
+    for attn in ranks:
+        spec = tl.shard_spec(attn.q_proj.weight)
+        torch.testing.assert_close(attn.q_proj.weight.grad,
+                                   spec.slice(ref_attn.q_proj.weight.grad), rtol=1e-5, atol=1e-5)
+        assert attn.num_key_value_groups == 8 // world

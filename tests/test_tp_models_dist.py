@@ -62,6 +62,16 @@ def llama() -> nn.Module:
         bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def llama_kv4() -> nn.Module:
+    """Llama from transformers' default config, only sizes changed (``use_cache`` left on):
+    8 query heads and 4 KV heads, so at TP=2 each rank keeps 2 KV heads (GQA with more KV
+    heads than ranks; fewer are tested on four ranks in test_gqa_dist.py)."""
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=128)).train()
+
+
 # The schedules under test are the library's built-in ones.
 gpt2_attention_split = split_qkv_per_rank
 
@@ -117,10 +127,12 @@ CASES: list[tuple[str, Callable[[], nn.Module], Callable[[tl.Schedule, bool], No
     ("bert-sdpa-sp", bert, tp_bert_sdpa, True, 6 * LAYERS),
     ("bert", bert, tp_bert, False, 0),
     ("llama", llama, tp_llama, False, 0),
+    ("llama-kv4", llama_kv4, tp_llama, False, 0),
     # GPT-2: ln_1, ln_2 (weight + bias) and both c_proj biases per layer, ln_f's two.
     ("gpt2-sp", gpt2, tp_gpt2, True, 6 * LAYERS + 2),
     # Llama: two RMSNorm weights per layer and the final norm's.
     ("llama-sp", llama, tp_llama, True, 2 * LAYERS + 1),
+    ("llama-kv4-sp", llama_kv4, tp_llama, True, 2 * LAYERS + 1),
     # BERT: two LayerNorms (weight + bias) and two row-parallel biases per layer.
     ("bert-sp", bert, tp_bert, True, 6 * LAYERS),
 ]

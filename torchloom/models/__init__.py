@@ -3,7 +3,10 @@
 Each schedule is a short function of primitives with the same knobs:
 
 * ``tp``: Megatron-style tensor parallelism over the schedule's process group (with a
-  world of one the primitives are recorded and change nothing);
+  world of one the primitives are recorded and change nothing); every rank keeps whole
+  attention heads, and Llama's KV heads, when fewer than the ranks, are replicated on
+  the ranks whose query heads use them (:mod:`torchloom.models.llama`). Config sizes the
+  degree must divide are refused, naming the config field, before anything is applied;
 * ``sequence_parallel``: split the activations between the parallel regions along the
   sequence axis (needs ``tp``);
 * ``ckpt_ratio``: checkpoint the first ``int(ckpt_ratio * layers)`` transformer layers;
@@ -29,7 +32,7 @@ from typing import Any, Callable
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import check_compile
+from ._common import check_compile, check_knobs
 from .bert import schedule_bert
 from .gpt2 import schedule_gpt2
 from .llama import schedule_llama
@@ -82,7 +85,15 @@ def schedule_for(model: Any) -> ScheduleFn:
 
 
 def apply_schedule(sch: Schedule, **knobs: Any) -> None:
-    """Apply the built-in schedule of ``sch.mod``'s class to ``sch`` with ``knobs``."""
+    """Apply the built-in schedule of ``sch.mod``'s class to ``sch`` with ``knobs``.
+
+    Everything that can be checked is checked before any primitive is applied, so a
+    refused call leaves the model unchanged: the knobs (a knob the schedule does not take
+    is an error listing the valid ones), and with ``tp=True`` the config sizes the
+    tensor-parallel degree must divide (attention heads, KV heads, MLP features).
+    """
+    fn = schedule_for(sch.mod)
+    check_knobs(sch, fn, knobs)
     if knobs.get("sequence_parallel") and not knobs.get("tp"):
         raise ScheduleError(
             "sequence parallelism splits the activations between tensor-parallel regions; "
@@ -91,4 +102,4 @@ def apply_schedule(sch: Schedule, **knobs: Any) -> None:
             fix="apply_schedule(sch, tp=True, sequence_parallel=True)",
         )
     check_compile(knobs.get("compile", False), sch.path)  # before any primitive is applied
-    schedule_for(sch.mod)(sch, **knobs)
+    fn(sch, **knobs)

@@ -14,13 +14,16 @@ and whose last module is row parallel (input features split, partial output):
 
 from __future__ import annotations
 
-from typing import Any
+import difflib
+import inspect
+from typing import Any, Callable
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
 
-__all__ = ["column", "row", "region", "sp_norms", "sp_final_norm", "finish_layers",
-           "check_compile", "check_kernels", "SEQ_AXIS", "ATTENTION"]
+__all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm",
+           "finish_layers", "check_compile", "check_kernels", "check_knobs",
+           "check_tp_sizes", "tp_divisors", "SEQ_AXIS", "ATTENTION"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
@@ -50,6 +53,12 @@ def region(block: Schedule, columns: list[str], row_path: str, sequence_parallel
     for path in columns:
         column(block[path], chunks)
     row(block[row_path])
+    region_syncs(block, row_path, sequence_parallel, input_name)
+
+
+def region_syncs(block: Schedule, row_path: str, sequence_parallel: bool,
+                 input_name: str | None = None) -> None:
+    """The syncs of :func:`region` alone, for a block whose modules are already sharded."""
     kw = {"input_name": input_name} if input_name else {}
     if sequence_parallel:
         block.sync("fwd_pre", "all_gather", axis=SEQ_AXIS, **kw)
@@ -118,3 +127,65 @@ def check_kernels(sch: Schedule, model: str, *, tp: bool, attention: Any,
             path=sch.path, primitive=primitive, values={"fused": True, "tp": True},
             fix="apply_schedule(sch, tp=True, compile=True) fuses inside each layer and "
             "keeps the hooks")
+
+
+def tp_divisors(n: int) -> list[int]:
+    """The tensor-parallel degrees that split ``n`` evenly.
+
+    >>> tp_divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_sizes(sch: Schedule, model: str, sizes: list[tuple[str, int, str, str]]) -> None:
+    """Refuse, before any primitive is applied, config sizes that tensor parallelism cannot
+    split evenly between the ranks of ``sch``'s group. ``sizes`` holds
+    ``(config field, value, path of the sharded modules, what each rank keeps)``; a
+    built-in TP schedule gives every rank whole attention heads and an equal share of the
+    MLP's features, so with a size that does not divide, the first forward would fail
+    with a reshape error, or heads would be cut in half.
+
+    >>> import torch, torchloom as tl
+    >>> sch = tl.create_schedule(torch.nn.Linear(2, 2))  # a world of one: every size divides
+    >>> check_tp_sizes(sch, "gpt2", [("n_head", 4, "h.*.attn", "whole attention heads")])
+    """
+    world = sch.world_size
+    for field, value, path, what in sizes:
+        if value % world == 0:
+            continue
+        up = -(-value // world) * world
+        raise ScheduleError(
+            f"tensor parallelism gives each of the {world} ranks {what}, and {field}="
+            f"{value} does not divide by {world}",
+            path=path, primitive=f"models.schedule_{model}",
+            values={field: value, "tp_degree": world},
+            fix=f"use a tensor-parallel group whose size divides {value} (one of "
+            f"{tp_divisors(value)}), or a config with {field} a multiple of {world}, e.g. "
+            f"config.{field} = {up}",
+        )
+
+
+def check_knobs(sch: Schedule, fn: Callable[..., Any], knobs: dict[str, Any]) -> None:
+    """Refuse knobs that the schedule function ``fn`` does not take (a schedule that takes
+    ``**kwargs`` accepts everything), listing the valid ones."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+             and p.name != "sch"]
+    unknown = [k for k in knobs if k not in valid]
+    if not unknown:
+        return
+    first = unknown[0]
+    close = difflib.get_close_matches(first, valid, n=1, cutoff=0.5)
+    if close:
+        fix = f"apply_schedule(sch, {close[0]}={knobs[first]!r})"
+    else:
+        fix = f"drop {first!r}; the knobs of this schedule are {', '.join(valid)}"
+    raise ScheduleError(
+        f"unknown knob{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+        f"the built-in schedule of {type(sch.mod).__name__}",
+        path=sch.path, primitive="models.apply_schedule",
+        values={"unknown": unknown, "knobs": valid}, fix=fix,
+    )

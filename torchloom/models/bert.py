@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..ops.attention import make_sdpa_bert_self_attention
 from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, check_kernels, column, finish_layers, row, sp_norms
+from ._common import SEQ_AXIS, check_kernels, check_tp_sizes, column, finish_layers, row, sp_norms
 
 __all__ = ["schedule_bert"]
 
@@ -20,6 +20,13 @@ def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
     base = "bert.encoder" if "bert" in sch.child else "encoder"
     layers = sch[f"{base}.layer"]
     check_kernels(sch, "bert", tp=tp, attention=attention, fused=fused)
+    if tp:  # before any primitive: a refusal changes nothing
+        config = sch.mod.config
+        check_tp_sizes(sch, "bert", [
+            ("num_attention_heads", config.num_attention_heads,
+             f"{base}.layer.*.attention.self", "whole attention heads"),
+            ("intermediate_size", config.intermediate_size, f"{base}.layer.*.intermediate",
+             "an equal share of the feed-forward features")])
     if attention == "sdpa":
         sch[f"{base}.layer.*.attention.self"].replace(make_sdpa_bert_self_attention)
     if fused:

@@ -7,7 +7,15 @@ from torch import nn
 from ..ops.attention import make_sdpa_gpt2_attention
 from ..ops.fused import make_fused_gpt2_mlp
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, check_kernels, finish_layers, region, sp_final_norm, sp_norms
+from ._common import (
+    SEQ_AXIS,
+    check_kernels,
+    check_tp_sizes,
+    finish_layers,
+    region,
+    sp_final_norm,
+    sp_norms,
+)
 
 __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 
@@ -28,6 +36,13 @@ def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
     block (``compile``)."""
     base = "transformer." if "transformer" in sch.child else ""
     check_kernels(sch, "gpt2", tp=tp, attention=attention, fused=fused)
+    if tp:  # before any primitive: a refusal changes nothing
+        config = sch.mod.config
+        sizes = [("n_head", config.n_head, f"{base}h.*.attn", "whole attention heads")]
+        if config.n_inner is not None:  # None: 4 * n_embd, which the heads check covers
+            sizes.append(("n_inner", config.n_inner, f"{base}h.*.mlp",
+                          "an equal share of the MLP's features"))
+        check_tp_sizes(sch, "gpt2", sizes)
     if attention == "sdpa":
         sch[f"{base}h.*.attn"].replace(make_sdpa_gpt2_attention)
     if fused:

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import column, finish_layers, region, row
+from ._common import check_tp_sizes, column, finish_layers, region, row
 
 __all__ = ["heads_per_rank", "schedule_opt"]
 
@@ -34,6 +34,12 @@ def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
+        config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        check_tp_sizes(sch, "opt", [
+            ("num_attention_heads", config.num_attention_heads, f"{base}.layers.*.self_attn",
+             "whole attention heads"),
+            ("ffn_dim", config.ffn_dim, f"{base}.layers.*.fc1",
+             "an equal share of the MLP's features")])
         for layer in sch[f"{base}.layers.*"]:
             region(layer["self_attn"], ["q_proj", "k_proj", "v_proj"], "out_proj", False,
                    input_name="hidden_states")

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import column, finish_layers, region, row
+from ._common import check_tp_sizes, column, finish_layers, region, row
 
 __all__ = ["heads_per_rank", "schedule_t5"]
 
@@ -44,6 +44,12 @@ def schedule_t5(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = Fa
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
+        config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        check_tp_sizes(sch, "t5", [
+            ("num_heads", config.num_heads, f"{stacks[0]}.block.*.layer.0.SelfAttention",
+             "whole attention heads"),
+            ("d_ff", config.d_ff, f"{stacks[0]}.block.*.layer.*.DenseReluDense",
+             "an equal share of the feed-forward features")])
         for stack in stacks:
             for block in sch[f"{stack}.block.*"]:
                 layers = block["layer"]

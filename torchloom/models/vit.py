@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import collectives as C
 from ..errors import ScheduleError
 from ..schedule import Schedule
-from ._common import SEQ_AXIS, finish_layers, region, sp_final_norm, sp_norms
+from ._common import SEQ_AXIS, check_tp_sizes, finish_layers, region, sp_final_norm, sp_norms
 
 __all__ = ["schedule_vit"]
 
@@ -23,7 +23,13 @@ def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
     base = "vit." if "vit" in sch.child else ""
     if sequence_parallel:
         _check_sequence_split(sch, base)
-    if tp:
+    if tp:  # before any primitive: a refusal changes nothing
+        config = sch.mod.config
+        check_tp_sizes(sch, "vit", [
+            ("num_attention_heads", config.num_attention_heads, f"{base}layers.*.attention",
+             "whole attention heads"),
+            ("intermediate_size", config.intermediate_size, f"{base}layers.*.mlp",
+             "an equal share of the MLP's features")])
         for layer in sch[f"{base}layers.*"]:
             region(layer["attention"], ["q_proj", "k_proj", "v_proj"], "o_proj",
                    sequence_parallel)
