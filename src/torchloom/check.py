@@ -9,10 +9,12 @@ the fix:
 1. **partial never reduced**: a row-parallel module's partial sum is not all-reduced
    (nor reduce-scattered) by a ``fwd_post`` sync on it or on any module around it, so
    the next operation (an activation, a norm, the loss) sees a fraction of the value;
-2. **sharded output never consumed**: a column-parallel module's sharded output is not
-   gathered, its own block holds no row-parallel module, and the next module with weights
-   (in module order, after any further column-parallel ones) is not row parallel, so it
-   would get a slice of an activation it expects whole;
+2. **sharded output never consumed**: a column-parallel module's output is still split
+   along its features after its own ``fwd_post`` syncs (not gathered, nor resharded to
+   another axis: ``"RS->SR"`` makes it whole features on a slice of the sequence, the
+   sequence-parallel layout), its own block holds no row-parallel module, and the next
+   module with weights (in module order, after any further column-parallel ones) is not
+   row parallel, so it would get a slice of an activation it expects whole;
 3. **gradient left partial**: a column-parallel module (or its enclosing block) has no
    ``bwd_post`` all-reduce and no ``fwd_pre`` all-gather, so the gradient of its input
    stays a per-rank partial sum (invisible in the forward pass);
@@ -202,7 +204,9 @@ def check(sch: Schedule) -> CheckReport:
                     "reduction), or shard the bias"))
 
         if placement is not None and placement.kind == "shard" and not _is_feature_norm(module):
-            if effective is not None and effective.kind == "shard":
+            # Still split along the same axis: a reshard to another axis ("RS->SR") makes
+            # the features whole (on a slice of the sequence), which any module consumes.
+            if effective is not None and effective == placement:
                 consumer = _next_weighted_leaf(leaves, module)
                 in_region = node.parent is not None and _has_row_parallel(node.parent)
                 if not in_region and (consumer is None or
