@@ -14,10 +14,10 @@ The point is the paper's: under a fixed budget for activation memory, the schedu
 larger batch (compiled layers save fewer activations, checkpointed ones only their
 inputs). The batch of each variant is the largest (up to ``max_batch``) whose peak
 saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
-schedule gets its own; the batch every checkpoint ratio ``k / layers`` would get is in the
-results (``ckpt_batches``). The schedule's ratio (``ckpt_ratio=None``): with
-``sweep_steps > 0`` two candidates, no checkpointing and the smallest ratio whose batch is
-at least twice eager's, each run for ``sweep_steps`` steps at its batch, and the one with
+schedule gets its own; the batch every checkpoint ratio ``k / layers`` (or the size's
+grid, ``ModelSize.ckpt_ratios``) would get is in the results (``ckpt_batches``). The
+schedule's ratio (``ckpt_ratio=None``): with ``sweep_steps > 0`` two candidates, no
+checkpointing and the smallest ratio whose batch is at least twice eager's, each run for ``sweep_steps`` steps at its batch, and the one with
 more tokens/s wins (the sweep is in the results, ``ckpt_sweep``); with ``sweep_steps=0``
 (the default, to keep the run short) no checkpointing when the layers are compiled, else
 the doubling ratio. Recomputing costs about a third of a layer's work, so it pays where a
@@ -48,6 +48,8 @@ are timed with synchronisation, and ``torch.cuda.max_memory_allocated`` is repor
 >>> cfg = SIZES["tiny"]["gpt2"]
 >>> cfg.seq_len, cfg.overrides["n_layer"]
 (32, 2)
+>>> SIZES["gpu"]["llama"].seq_len, SIZES["gpu"]["llama"].ckpt_ratios   # torchloom bench --size gpu
+(1024, (0.0, 0.5, 1.0))
 >>> largest_batch(lambda b: 1000 + 300 * b, budget=2500, max_batch=64)
 5
 >>> largest_batch(lambda b: 1000 + 300 * b, budget=1200, max_batch=64)
@@ -92,6 +94,9 @@ class ModelSize:
 
     overrides: dict[str, Any]
     seq_len: int
+    ckpt_ratios: tuple[float, ...] | None = None
+    """The checkpoint ratios whose batch is fitted (None: every ``k / layers``); a shorter
+    grid keeps a large size's run short (each ratio is compiled and counted twice)."""
 
 
 SIZES: dict[str, dict[str, ModelSize]] = {
@@ -112,6 +117,17 @@ SIZES: dict[str, dict[str, ModelSize]] = {
         "llama": ModelSize({"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
                             "num_key_value_heads": 8, "intermediate_size": 1376,
                             "max_position_embeddings": 256}, 256),
+    },
+    # One GPU (``--device cuda``, bf16 autocast): about 300M parameters, 1024 tokens, real
+    # vocabularies; 4 layers keep whole-model compilation short, the width and the batch
+    # (``--max-batch 64``, a budget of tens of GiB) fill the device.
+    "gpu": {
+        "gpt2": ModelSize({"n_layer": 4, "n_embd": 2048, "n_head": 16, "n_positions": 1024,
+                           "vocab_size": 50257}, 1024, (0.0, 0.5, 1.0)),
+        "llama": ModelSize({"num_hidden_layers": 4, "hidden_size": 2048,
+                            "num_attention_heads": 16, "num_key_value_heads": 8,
+                            "intermediate_size": 5504, "max_position_embeddings": 1024,
+                            "vocab_size": 32000}, 1024, (0.0, 0.5, 1.0)),
     },
 }
 
@@ -204,9 +220,12 @@ def measure_peak_flops(device: torch.device | str = "cpu", size: int | None = No
 # --------------------------------------------------------------------------- models
 
 
-def _make(name: str, size: str, seed: int) -> nn.Module:
+def _make(name: str, size: str, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """The zoo model, constructed (and initialised) on ``device``: a large model is not
+    initialised on the CPU first; ``"meta"`` allocates nothing."""
     spec = _size(name, size)
-    return zoo.make_model(name, "small", seed=seed, **spec.overrides)
+    with torch.device(device):
+        return zoo.make_model(name, "small", seed=seed, **spec.overrides)
 
 
 def _size(name: str, size: str) -> ModelSize:
@@ -227,7 +246,7 @@ def _layers(model: nn.Module, name: str) -> list[nn.Module]:
 
 
 def _scheduled(name: str, size: str, cfg: BenchConfig, ratio: float) -> nn.Module:
-    model = _make(name, size, cfg.seed)
+    model = _make(name, size, cfg.seed, cfg.device)
     sch = create_schedule(model)
     knobs: dict[str, Any] = {"ckpt_ratio": ratio}
     if cfg.schedule_compile:
@@ -329,16 +348,18 @@ class _Fit:
 def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
         _Fit, list[_Fit], Callable[[int], float]]:
     """Exact counts at batch 2 and 3 of the eager model and of the schedule at each ratio
-    ``k / layers``; returns eager's fit, the schedule's fits (ratio 0 first) and the bytes
-    one layer of the schedule saves when it is not checkpointed, as a function of the
-    batch (what recomputing a checkpointed layer saves again)."""
+    ``k / layers`` (or of the size's grid); returns eager's fit, the schedule's fits (ratio
+    0 first) and the bytes one layer of the schedule saves when it is not checkpointed, as
+    a function of the batch (what recomputing a checkpointed layer saves again)."""
     seq_len = _size(name, size).seq_len
-    n_layers = len(_layers(_make(name, size, cfg.seed), name))
+    n_layers = len(_layers(_make(name, size, cfg.seed, "meta"), name))
+    grid = _size(name, size).ckpt_ratios
     ratios = ([0.0, cfg.ckpt_ratio] if cfg.ckpt_ratio is not None
+              else list(grid) if grid is not None
               else [k / n_layers for k in range(n_layers + 1)])
     counts: dict[float | None, list[_Saved]] = {}
     for ratio in [None, *dict.fromkeys(ratios)]:  # None: the eager model
-        model = (_make(name, size, cfg.seed) if ratio is None
+        model = (_make(name, size, cfg.seed, device) if ratio is None
                  else _scheduled(name, size, cfg, ratio)).to(device)
         counts[ratio] = []
         for batch in _FIT_BATCHES:
@@ -384,7 +405,7 @@ def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -
     """FLOPs of one forward and backward of one sequence (FlopCounterMode)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = _make(name, size, cfg.seed).to(device)
+    model = _make(name, size, cfg.seed, device).to(device)
     inputs = _inputs(name, model, 1, _size(name, size).seq_len, cfg.seed, device)
     counter = FlopCounterMode(display=False)
     with counter:
@@ -488,7 +509,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
         for vname in [v for v in VARIANTS if v in cfg.variants]:
             fit = tl_fit if vname == "torchloom" else eager_fit
             model = (_scheduled(name, cfg.size, cfg, fit.ratio) if vname == "torchloom"
-                     else _make(name, cfg.size, cfg.seed)).to(device)
+                     else _make(name, cfg.size, cfg.seed, device)).to(device)
             call: Callable[..., Any] = model
             if vname == "compile":
                 call = torch.compile(model, backend=cfg.compile_backend)

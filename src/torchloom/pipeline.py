@@ -15,7 +15,8 @@ How a model becomes stages:
    send them: sizes, flags and other Python values computed on the way (the sequence
    length, a ``None`` mask) are replaced, in the later stages, by the value they had on
    the example micro-batch. Micro-batches therefore all have the example's shape, which
-   the pipelining runtime requires anyway.
+   the pipelining runtime requires anyway. (On torch < 2.13 integer and boolean tensors
+   cross as floating point and are cast back, see :mod:`torchloom._compat`.)
 4. **Stages.** Each stage is a ``GraphModule`` over the original modules (same
    parameter objects and names). The last stage returns the model's output; a
    transformers ``ModelOutput`` / dict is reduced to its ``logits`` (or its first tensor)
@@ -58,6 +59,13 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from ._compat import (
+    PIPELINE_SENDS_NON_FLOAT,
+    from_transport,
+    is_non_float,
+    tie_zero_grads,
+    to_transport,
+)
 from ._outputs import main_tensor
 from .collectives import guard_collective
 from .errors import BuildError
@@ -351,9 +359,13 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
                 default = p.args[0] if p.args else inspect.Parameter.empty
                 env[p] = graph.placeholder(p.target, default_value=default)
             inputs.append([p.target for p in placeholders])
-        else:
+        sent: list[fx.Node] = []  # non-float inputs received as float (torch < 2.13)
+        if k > 0:
             for n in live[k]:
                 env[n] = graph.placeholder(n.name)
+                if not PIPELINE_SENDS_NON_FLOAT and is_non_float(values.get(n)):
+                    sent.append(env[n])
+                    env[n] = graph.call_function(from_transport, (env[n], values[n].dtype))
             inputs.append([n.name for n in live[k]])
 
         def arg(a: Any, env: dict = env) -> Any:
@@ -375,9 +387,20 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
                                                    f"{node.name}|crosses a pipeline cut"))
         if k == num_stages - 1:
             result = graph.call_function(main_tensor, (arg(output_node.args[0]),))
+            if sent:
+                result = graph.call_function(tie_zero_grads, (result, *sent))
             graph.output(result)
         else:
             outs = [env[n] if n in env else arg(n) for n in live[k + 1]]
+            if not PIPELINE_SENDS_NON_FLOAT:
+                outs = [graph.call_function(to_transport, (o,)) if is_non_float(values.get(n))
+                        else o for n, o in zip(live[k + 1], outs)]
+                first_float = next((i for i, n in enumerate(live[k + 1])
+                                    if isinstance(values.get(n), torch.Tensor)
+                                    and values[n].is_floating_point()), None)
+                if sent and first_float is not None:
+                    outs[first_float] = graph.call_function(
+                        tie_zero_grads, (outs[first_float], *sent))
             graph.output(tuple(outs))
         module = fx.GraphModule(flat, graph)
         # keep the tracer's guards: they check, at run time, that the inputs take the
@@ -778,14 +801,22 @@ class PipelineModel(nn.Module):
             if loss_fn is not None:
                 self.schedule._loss_fn = None
             with torch.no_grad():
-                out = self.schedule.eval(*inputs, **kwargs)
+                out = (self.schedule.eval(*inputs, **kwargs) if self._takes_inputs()
+                       else self.schedule.eval())
         finally:
             if loss_fn is not None:
                 self.schedule._loss_fn = loss_fn
         return out if self.is_last else None
 
+    def _takes_inputs(self) -> bool:
+        """Whether this rank hands the inputs to its schedule: not when its only stage is
+        not the first (torch 2.11's shape inference refuses them there; later releases
+        ignore them)."""
+        return len(self.stages) != 1 or self.stages[0].is_first
+
     def step(self, *inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
+        inputs = inputs if self._takes_inputs() else ()
         if self.is_last:
             self.schedule.step(*inputs, target=target, losses=losses)
         else:
@@ -887,7 +918,9 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
         holders = sorted({global_ranks[k % ranks] for k, _ in places})
         if len(holders) < 2:
             continue
-        tie_group = dist.new_group(holders)  # collective: every rank calls it in order
+        # Only the holders synchronise: with data parallelism every replica runs its own
+        # pipeline, so ranks of different replicas ask for groups of different ranks.
+        tie_group = dist.new_group(holders, use_local_synchronization=True)
         if global_ranks[rank] in holders:
             k, name = next((k, n) for k, n in places if k in mine)
             ties.append((split.modules[k].get_parameter(name), tie_group))

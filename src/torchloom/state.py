@@ -10,25 +10,31 @@
   dies or hangs makes the others fail with a :class:`CollectiveTimeoutError` instead of
   waiting for gloo's default 30 minutes.
 
-Design of the checkpoint (why ShardedTensor, and what it costs):
-    A sharded tensor is handed to DCP as a
-    ``torch.distributed._shard.sharded_tensor.ShardedTensor`` whose global size is the
-    full shape and whose local shards are this rank's pieces, placed at their offsets in
-    the full tensor. DTensor's ``Shard(axis)`` placement cannot describe a ``chunks=k``
-    layout (a fused q/k/v weight, where rank r holds ``[q_r | k_r | v_r]``, ``k``
-    disjoint pieces), while a ShardedTensor may hold several local shards per rank, one
-    per block. DCP records every piece as a chunk of one logical full-shape tensor and,
-    on load, reads whatever region the new layout asks for (any world size whose
-    ``chunks * world_size`` divides the axis). Unsharded tensors are passed as plain
-    tensors; DCP writes one copy of each (its plans deduplicate replicas across ranks).
+Design of the checkpoint (pieces of full-shape tensors, through DCP's planners):
+    A sharded tensor is handed to DCP as this rank's *pieces* of one logical tensor of the
+    full shape, each piece placed at its offsets in the full tensor. DCP's own extension
+    point does the rest: a ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` subclass emits
+    one ``WriteItem`` per piece (a shard ``ChunkStorageMetadata``) and, on load, asks
+    ``create_read_items_for_chunk_list`` (DCP's resharding) for the regions the new layout
+    needs. A ``chunks=k`` layout (a fused q/k/v weight, where rank r holds
+    ``[q_r | k_r | v_r]``: ``k`` disjoint pieces of the full tensor) is ``k`` pieces per
+    rank, which DTensor's public placements cannot describe (``Shard(axis)`` gives each
+    rank one contiguous block) and the deprecated ``ShardedTensor`` (used before) could.
+    DCP records every piece as a chunk of one logical full-shape tensor and, on load, reads
+    whatever region the new layout asks for (any world size whose ``chunks * world_size``
+    divides the axis). Pieces that several
+    ranks hold (``replicas > 1``) are written once (DCP deduplicates equal chunks across
+    ranks). Unsharded tensors are passed as plain tensors; DCP writes one copy of each.
+    The format is unchanged (2): checkpoints that earlier versions wrote through
+    ``ShardedTensor`` load, and earlier versions load the ones written now.
 
-    Memory: saving writes each rank's own shards straight from its tensors, no rank ever
-    holds a full tensor; only ``chunks > 1`` tensors (and non-contiguous ones) are copied
-    into contiguous pieces first (one extra local copy of those tensors). Loading reads
-    into the parameters in place where the local tensor is contiguous and ``chunks == 1``;
-    other parameters and all optimizer state are read into new local-sized buffers and then
-    copied (one extra local copy of them, freed after ``load``). Optimizer state of a
-    sharded parameter has the parameter's shard layout; scalar state (AdamW ``step``) is
+    Memory: saving writes each rank's own pieces straight from its tensors, no rank ever
+    holds a full tensor; only non-contiguous pieces (a ``chunks > 1`` split along an inner
+    axis, non-contiguous tensors) are copied into contiguous ones first. Loading reads into
+    the parameters in place (into views of them, whatever the layout), except unsharded
+    non-contiguous tensors, read into a contiguous buffer and copied. Optimizer state is
+    read into new local-sized buffers that become the state. Optimizer state of a sharded
+    parameter has the parameter's shard layout; scalar state (AdamW ``step``) is
     replicated.
 
     Non-tensor data (the step, optimizer hyperparameters, non-tensor optimizer state, the
@@ -143,10 +149,8 @@ from .errors import CollectiveTimeoutError  # noqa: E402
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence DCP's notices that do not concern the user: the deprecation of ShardedTensor
-    (used on purpose, see the module docstring) and 'saving in a single process'."""
+    """Silence DCP's notice 'saving in a single process', which does not concern the user."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
         yield
 
@@ -333,61 +337,121 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 # --------------------------------------------------------------------------- DCP helpers
 
 
-def _pieces(spec: ShardSpec) -> list[tuple[int, int, int]]:
-    """(rank, block, offset along the axis) of every piece of the full tensor. A piece that
-    ``replicas`` ranks hold is listed once, under this rank if it holds it, else under the
-    first rank that does (DCP writes one copy of the chunks several ranks offer)."""
+@dataclass
+class _Pieces:
+    """This rank's pieces of one logical tensor of shape ``full_shape``: ``(offsets in the
+    full tensor, local tensor)`` each. What :class:`_SavePlanner` writes and
+    :class:`_LoadPlanner` reads into."""
+
+    full_shape: torch.Size
+    pieces: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    def at(self, offsets: Any) -> torch.Tensor:
+        key = tuple(offsets)
+        for where, tensor in self.pieces:
+            if where == key:
+                return tensor
+        raise KeyError(f"no piece at offsets {key}")
+
+
+def _pieces(local: torch.Tensor, spec: ShardSpec, contiguous: bool) -> _Pieces:
+    """This rank's pieces of ``local`` (a tensor sharded as ``spec``): one per block, views
+    of it (contiguous copies of non-contiguous ones when ``contiguous``)."""
     block = spec.full_shape[spec.axis] // spec.chunks
     piece = block // spec.pieces
-    return [(spec.rank if p == spec.piece else p * spec.replicas, c, c * block + p * piece)
-            for p in range(spec.pieces) for c in range(spec.chunks)]
+    out = []
+    for c in range(spec.chunks):
+        offsets = [0] * len(spec.full_shape)
+        offsets[spec.axis] = c * block + spec.piece * piece
+        view = local.detach().narrow(spec.axis, c * piece, piece)
+        if contiguous and not view.is_contiguous():
+            view = view.clone(memory_format=torch.contiguous_format)
+        out.append((tuple(offsets), view))
+    return _Pieces(torch.Size(spec.full_shape), out)
 
 
-def _sharded(local: torch.Tensor, spec: ShardSpec, group: Any) -> Any:
-    """A ShardedTensor of full shape whose local shards are this rank's pieces of ``local``
-    (views of it where contiguous, else contiguous copies)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        ShardedTensorMetadata,
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if (start, length) != (0, tensor.shape[dim]):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _planners() -> tuple[type, type]:
+    """DCP planners that write and read :class:`_Pieces` (DCP's public planner interface:
+    ``DefaultSavePlanner``, ``DefaultLoadPlanner``, ``WriteItem``,
+    ``create_read_items_for_chunk_list``); every other value goes through DCP's defaults.
+    The state dicts are flat (no nesting), so DCP's flattening is off."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
         TensorProperties,
     )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    piece = spec.local_shape()[spec.axis] // spec.chunks
-    sizes = list(spec.full_shape)
-    sizes[spec.axis] = piece
-    device = local.device
-    metas, shards = [], []
-    for r, c, offset in _pieces(spec):
-        offsets = [0] * len(sizes)
-        offsets[spec.axis] = offset
-        global_rank = r if group is None else dist.get_global_rank(group, r)
-        meta = ShardMetadata(shard_offsets=offsets, shard_sizes=list(sizes),
-                             placement=f"rank:{global_rank}/{device}")
-        metas.append(meta)
-        if r == spec.rank:
-            view = local.detach().narrow(spec.axis, c * piece, piece)
-            if not view.is_contiguous():
-                view = view.clone(memory_format=torch.contiguous_format)
-            shards.append(Shard(tensor=view, metadata=meta))
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    global_md = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(spec.full_shape),
-                                      tensor_properties=props)
-    with _quiet():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, global_md, process_group=group)
+    def split(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Pieces]]:
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, _Pieces)}
+        return {k: v for k, v in state_dict.items() if k not in pieces}, pieces
 
+    class SavePlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-def _copy_back(target: Any, local: torch.Tensor, spec: ShardSpec) -> None:
-    """Copy the loaded pieces of a ShardedTensor ``target`` into ``local`` (a no-op for
-    pieces that are views of it)."""
-    piece = spec.local_shape()[spec.axis] // spec.chunks
-    with torch.no_grad():
-        for c, shard in enumerate(target.local_shards()):
-            dst = local.narrow(spec.axis, c * piece, piece)
-            if dst.data_ptr() != shard.tensor.data_ptr():
-                dst.copy_(shard.tensor)
+        def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
+                           is_coordinator: bool = False) -> None:
+            plain, self.pieces = split(state_dict)
+            super().set_up_planner(plain, storage_meta, is_coordinator)
+
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            items = []
+            for fqn, value in self.pieces.items():
+                for offsets, tensor in value.pieces:
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
+                    items.append(WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=chunk, properties=TensorProperties.create_from_tensor(tensor),
+                            size=value.full_shape)))
+            self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+            return self.plan
+
+        def resolve_data(self, write_item: Any) -> Any:
+            value = self.pieces.get(write_item.index.fqn)
+            if value is None:
+                return super().resolve_data(write_item)
+            return value.at(write_item.index.offset)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None,
+                           is_coordinator: bool = False) -> None:
+            plain, self.pieces = split(state_dict)
+            super().set_up_planner(plain, metadata, is_coordinator)
+
+        def create_local_plan(self) -> Any:
+            plan = super().create_local_plan()
+            items = []
+            for fqn, value in self.pieces.items():
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size())
+                          for offsets, t in value.pieces]
+                items += create_read_items_for_chunk_list(
+                    fqn, self.metadata.state_dict_metadata[fqn], chunks)
+            return dataclasses.replace(plan, items=[*plan.items, *items])
+
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            value = self.pieces.get(read_item.dest_index.fqn)
+            if value is None:
+                return super().resolve_tensor(read_item)
+            return _narrow(value.at(read_item.dest_index.offset), read_item.dest_offsets,
+                           read_item.lengths)
+
+    return SavePlanner, LoadPlanner
 
 
 def _to_save(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> Any:
@@ -397,7 +461,7 @@ def _to_save(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> Any:
             _check_spec(key, spec, group, primitive)
         return tensor.detach()
     _check_spec(key, spec, group, primitive)
-    return _sharded(tensor, spec, group)
+    return _pieces(tensor, spec, contiguous=True)
 
 
 def _state_spec(p: torch.Tensor, value: Any) -> ShardSpec | None:
@@ -951,8 +1015,8 @@ def _write_dcp(state: dict[str, Any], tmp: str, path: str, group: Any) -> None:
 
     with _dcp_errors("save", path, True), \
             guard_collective("torch.distributed.checkpoint.save", "save", group), _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
-                 no_dist=not dist.is_initialized())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_planners()[0](),
+                 process_group=group, no_dist=not dist.is_initialized())
 
 
 def _sha256(file: str) -> tuple[str, int]:
@@ -1076,7 +1140,7 @@ def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: A
                         spec = _state_spec(p, value)
                         full_key = f"{_OPTIM}state.{name}.{key}"
                         if spec is not None and spec.world_size > 1:
-                            state[full_key] = _sharded(value, spec, group)
+                            state[full_key] = _pieces(value, spec, contiguous=True)
                         else:
                             state[full_key] = value.detach()
                         tensor_state.setdefault(name, []).append(key)
@@ -1444,7 +1508,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             "number of heads)")
 
     targets: dict[str, Any] = {}
-    copies: list[tuple[Any, torch.Tensor, ShardSpec | None]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read buffer, tensor)
     for key, tensor in model_state.items():
         spec = shard_spec(tensor)
         if spec is not None:
@@ -1453,12 +1517,13 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             local = tensor.detach()
             target = local if local.is_contiguous() else torch.empty_like(
                 local, memory_format=torch.contiguous_format)
-        else:
-            target = _sharded(tensor, spec, group)
+            if target is not local:
+                copies.append((target, tensor))
+        else:  # read in place into views of the tensor
+            target = _pieces(tensor, spec, contiguous=False)
         targets[_MODEL + key] = target
-        copies.append((target, tensor, spec if spec is not None and spec.world_size > 1 else None))
 
-    optim_loads: list[tuple[int, str, str, Any, torch.Tensor | None, ShardSpec | None]] = []
+    optim_loads: list[tuple[int, str, str, torch.Tensor]] = []
     if optimizer is not None:
         if not marker["has_optimizer"]:
             raise _mismatch(
@@ -1498,26 +1563,22 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     if (spec is not None and spec.world_size > 1
                             and tuple(md.size) == spec.full_shape):
                         local = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                        target = _sharded(local, spec, group)
-                        optim_loads.append((index, name, key, target, local, spec))
+                        targets[full_key] = _pieces(local, spec, contiguous=False)
                     else:
                         device = p.device if len(md.size) else "cpu"
-                        target = torch.zeros(tuple(md.size), dtype=dtype, device=device)
-                        optim_loads.append((index, name, key, target, None, None))
-                    targets[full_key] = target
+                        local = torch.zeros(tuple(md.size), dtype=dtype, device=device)
+                        targets[full_key] = local
+                    optim_loads.append((index, name, key, local))
                 index += 1
 
     with _dcp_errors("load", path, False), \
             guard_collective("torch.distributed.checkpoint.load", "load", group), _quiet():
-        dcp.load(targets, storage_reader=reader, process_group=group,
+        dcp.load(targets, storage_reader=reader, planner=_planners()[1](), process_group=group,
                  no_dist=not dist.is_initialized())
 
     with torch.no_grad():
-        for target, tensor, spec in copies:
-            if spec is not None:
-                _copy_back(target, tensor, spec)
-            elif target.data_ptr() != tensor.data_ptr():
-                tensor.copy_(target)
+        for target, tensor in copies:
+            tensor.copy_(target)
 
     if optimizer is not None:
         try:
@@ -1529,12 +1590,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 values={"path": path}, fix="the checkpoint is damaged; load an earlier one"
             ) from exc
         state: dict[int, dict[str, Any]] = {}
-        for index, _name, key, target, local, spec in optim_loads:
-            if spec is not None and local is not None:
-                _copy_back(target, local, spec)
-                value = local
-            else:
-                value = target
+        for index, _name, key, value in optim_loads:
             state.setdefault(index, {})[key] = value
         index = 0
         for entries in _optimizer_params(model, optimizer, "load"):
