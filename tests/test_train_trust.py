@@ -51,10 +51,21 @@ def test_the_checkpoint_records_the_run_configuration(finished_run):
     ckpt = S.list_checkpoints(finished_run)[0]
     assert ckpt.step == 3
     assert ckpt.config == {
-        "model": "gpt2", "size": "tiny", "steps": 3, "batch_size": 2, "seq_len": 16,
-        "lr": 0.001, "seed": 0, "tp": 1, "dp": 1, "pp": 1, "n_microbatches": 4,
-        "sequence_parallel": False, "ckpt_ratio": 0.0, "deterministic": True,
+        "model": "gpt2", "size": "tiny", "data": [], "eval_fraction": 0.1, "eval_every": 0,
+        "eval_batches": 4, "steps": 3, "batch_size": 2, "grad_accum": 1, "seq_len": 16,
+        "lr": 0.001, "warmup_steps": None, "lr_decay": "cosine", "min_lr_ratio": 0.1,
+        "weight_decay": 0.01, "clip_grad": 0.0, "seed": 0, "dtype": "fp32", "tp": 1,
+        "dp": 1, "dp_mode": "ddp", "pp": 1, "n_microbatches": 4, "sequence_parallel": False,
+        "ckpt_ratio": 0.0, "deterministic": True,
         "recipe": "import torchloom\n\nsch = torchloom.create_schedule(model)"}
+
+
+def test_a_checkpoint_of_an_older_version_resumes_with_the_new_fields_at_defaults():
+    old = {k: v for k, v in T.run_config(T.TrainConfig(), "").items()
+           if k not in ("data", "grad_accum", "clip_grad", "dtype")}
+    T._compare(old, T.run_config(T.TrainConfig(), ""), "step-1", "runs/x")  # no error
+    with pytest.raises(S.CheckpointMismatchError, match="configuration: grad_accum"):
+        T._compare(old, T.run_config(T.TrainConfig(grad_accum=2), ""), "step-1", "runs/x")
 
 
 def test_resume_with_another_configuration_lists_the_fields(cli, finished_run):
@@ -200,9 +211,10 @@ def test_timeout_reaches_the_launcher_and_torchrun(cli, monkeypatch):
     assert seen["run_ranks"] == (2, 7.0)
 
     monkeypatch.setattr(launch, "under_torchrun", lambda: True)
-    monkeypatch.setattr(launch, "init_group", lambda timeout_s: seen.update(group=timeout_s))
+    monkeypatch.setattr("torchloom.cli._start_group",
+                        lambda device, timeout: seen.update(group=(device, timeout)))
     monkeypatch.setattr("torchloom.cli.train_rank_cli", lambda rank, config: done)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     code, output = cli("--timeout", "9")
     assert code == 0, output
-    assert seen["group"] == 9.0
+    assert seen["group"] == ("cpu", 9.0)  # gloo for --device cpu, even where CUDA exists

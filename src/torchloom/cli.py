@@ -5,10 +5,12 @@ Commands:
 * ``torchloom demo``: train a small GPT-2 on the bytes of Python's own standard library
   under a schedule (activation checkpointing on a ratio of the layers), with a progress
   bar, the loss as it falls, and the throughput in tokens/s;
-* ``torchloom show MODEL``: print the schedule tree of a zoo model, optionally with the
-  demo schedule applied;
-* ``torchloom train``: train a zoo model under its built-in schedule on one process or a
-  (dp, tp) mesh (``torchrun`` or local ranks), saving checkpoints and resuming exactly;
+* ``torchloom show MODEL``: state a model's size and print its schedule tree (a zoo model
+  at ``--size``, a model folder or a config file), optionally with the demo schedule;
+* ``torchloom train``: train a zoo model, a model folder or a config file under its
+  built-in schedule on local text, on one process or a (pp, dp, tp) mesh (``torchrun`` or
+  local ranks), with evaluation, metrics, checkpoints that resume exactly and a
+  ``--save-pretrained`` export; options by flags or a TOML file (:mod:`torchloom.jobconfig`);
 * ``torchloom tune MODEL --budget-gb N``: search batch size and checkpoint ratio under a
   memory budget (pruning with the cost model), with a live table, the best recipe and a plot;
 * ``torchloom verify MODEL --tp N``: apply the model's built-in schedule inside
@@ -234,20 +236,64 @@ def demo(
     console.print(summary)
 
 
+def _shape_text(config: Any) -> str:
+    """``2 layers, hidden 32, vocabulary 256`` from a transformers config."""
+    parts = []
+    for key, word in (("num_hidden_layers", "layers"), ("hidden_size", "hidden"),
+                      ("vocab_size", "vocabulary")):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            parts.append(f"{value} {word}" if key == "num_hidden_layers" else f"{word} {value}")
+    return ", ".join(parts)
+
+
+def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
+    """The model ``torchloom show`` draws (a folder or config on ``meta``), a sentence
+    stating what it is and how large, and its layer lists."""
+    from .build import init_empty_weights
+    from .jobconfig import model_kind
+    from .train import TrainConfig, count_parameters, layer_lists, meta_model
+
+    kind = model_kind(model)
+    if kind in ("folder", "config"):
+        cfg = TrainConfig(model=model, seq_len=2)
+        built = meta_model(cfg)
+        where = "config.json" if kind == "folder" else "config file"
+        text = (f"{model}: {type(built).__name__} from its {where} ({_shape_text(built.config)}), "
+                f"{_count(count_parameters(built))} parameters (on meta: shapes only)")
+        return built, text, layer_lists(built)
+    if model not in zoo.list_models() and os.path.isdir(model):
+        raise ScheduleError("the folder has no config.json (a transformers model folder, as "
+                            "save_pretrained writes it, has one)", primitive="torchloom show",
+                            values={"model": model}, fix="torchloom show path/to/model-folder")
+    with init_empty_weights():
+        zoo.make_model(model, size, seed=0)  # unknown names and sizes raise here
+    built = zoo.make_model(model, size, seed=0)
+    others = [s for s in zoo.SIZES if s != size]
+    text = (f"{model}, zoo size {size!r} ({_shape_text(built.config)}): "
+            f"{_count(count_parameters(built))} parameters, randomly initialised"
+            + (f"; other sizes: {', '.join(others)} (--size)" if others else ""))
+    return built, text, zoo.layer_paths(model)
+
+
 @app.command()
 @_clean_errors
 def show(
-    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
-    size: str = typer.Option("tiny", help=f"Model size: {', '.join(zoo.SIZES)}."),
+    model: str = typer.Argument(..., help=f"A zoo model ({', '.join(zoo.list_models())}), a "
+                                "transformers model folder or a config.json."),
+    size: str = typer.Option("tiny", help=f"Zoo model size: {', '.join(zoo.SIZES)}."),
     ckpt_ratio: float = typer.Option(
         None, min=0.0, max=1.0,
         help="Apply the demo schedule: checkpoint this fraction of the layers."),
 ) -> None:
-    """Print the schedule tree of a zoo model and the primitives applied to it."""
+    """Print the schedule tree of a model (its size first) and the primitives applied."""
     console = Console()
-    sch = create_schedule(zoo.make_model(model, size, seed=0))
+    built, text, layers = show_model(model, size)
+    console.print(escape(text), highlight=False)
+    sch = create_schedule(built)
     if ckpt_ratio is not None:
-        apply_demo_schedule(sch, model, ckpt_ratio)
+        for path in layers:
+            sch[path].checkpoint(ratio=ckpt_ratio)
     console.print(rich_tree(sch))
     if len(sch.recipe):
         console.print(Panel(Syntax(str(sch.recipe), "python", theme="ansi_dark"),
@@ -275,89 +321,244 @@ def list_primitives_command() -> None:
     Console().print(table)
 
 
+class _Reporter:
+    """Rank 0's view of a run: a line per step and per evaluation (the loss in full
+    precision, so runs can be compared bit for bit) and, on a terminal, a live progress
+    bar with the loss, tokens/s, MFU and memory."""
+
+    def __init__(self, rank: int, show_bar: bool) -> None:
+        self.rank = rank
+        self.console = Console(soft_wrap=True, highlight=False)
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.show_bar = show_bar and rank == 0 and self.console.is_terminal
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        kind = record["kind"]
+        if kind == "start":
+            self.start(record)
+        elif kind == "step":
+            self.step(record)
+        elif kind == "eval":
+            loss = record["eval_loss"]
+            ppl = math.exp(loss) if loss < 50 else float("inf")
+            self.line(f"eval  step {record['step']:>5}  loss {loss!r}  perplexity {ppl:,.2f}")
+
+    def line(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def start(self, record: dict[str, Any]) -> None:
+        self.line(f"training {record['model']}: {record['class']}, "
+                  f"{_count(record['parameters'])} parameters ({record['source']}); "
+                  f"{record['data']}; {record['device']}, {record['dtype']}, "
+                  f"{_plural(record['ranks'], 'rank')}")
+        if self.show_bar:
+            self.progress = Progress(
+                TextColumn("[bold blue]training"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss [bold]{task.fields[loss]}"),
+                TextColumn("{task.fields[speed]} tok/s"), TextColumn("MFU {task.fields[mfu]}"),
+                TextColumn("{task.fields[mem]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console)
+            self.progress.start()
+
+    def step(self, r: dict[str, Any]) -> None:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        norm = f"  grad norm {r['grad_norm']:.3g}" if r["grad_norm"] is not None else ""
+        self.line(f"step {r['step']:>5}  loss {r['loss']!r}  {r['tokens_per_s']:,.0f} "
+                  f"tokens/s  lr {r['lr']:.3g}{norm}  MFU {mfu}  "
+                  f"mem {r['memory_mib']:,.0f} MiB")
+        if self.progress is not None:
+            if self.task is None:
+                self.task = self.progress.add_task("train", total=r["steps"],
+                                                   completed=r["step"] - 1, loss="-",
+                                                   speed="-", mfu="-", mem="-")
+            self.progress.update(self.task, completed=r["step"], loss=f"{r['loss']:.4f}",
+                                 speed=f"{r['tokens_per_s']:,.0f}", mfu=mfu,
+                                 mem=f"{r['memory_mib']:,.0f} MiB")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _count(n: int) -> str:
+    """``37,824 (37.8 K)``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n:,} ({n / scale:.3g} {unit})"
+    return f"{n:,}"
+
+
 def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    """One rank of ``torchloom train``; rank 0 prints a line per step (the loss in full
-    precision, so runs can be compared bit for bit)."""
+    """One rank of ``torchloom train``; rank 0 reports (see :class:`_Reporter`)."""
     from .train import train_rank
 
-    def report(step: int, loss: float, speed: float) -> None:
-        if rank == 0:
-            print(f"step {step:>5}  loss {loss!r}  {speed:,.0f} tokens/s", flush=True)
+    reporter = _Reporter(rank, bool(config.get("progress", True)))
+    try:
+        return train_rank(rank, config, report=reporter)
+    finally:
+        reporter.close()
 
-    return train_rank(rank, config, on_step=report)
+
+def _start_group(device: str, timeout: float) -> None:
+    """The process group of a torchrun launch: NCCL for --device cuda, gloo for cpu."""
+    from .state import init_distributed
+
+    if not torch.distributed.is_initialized():
+        init_distributed("nccl" if device == "cuda" else "gloo", timeout)
+
+
+def _train_default(name: str) -> Any:
+    from .jobconfig import TrainConfig
+
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 @app.command()
 @_clean_errors
 def train(
-    model: str = typer.Option("gpt2", help=f"A zoo model: {', '.join(zoo.list_models())}."),
-    size: str = typer.Option("tiny", help=f"Model size: {', '.join(zoo.SIZES)}."),
-    steps: int = typer.Option(20, min=1, help="Total training steps."),
-    batch_size: int = typer.Option(8, min=1, help="Sequences per step, over all dp ranks."),
-    seq_len: int = typer.Option(64, min=2, help="Tokens (bytes) per sequence."),
-    lr: float = typer.Option(1e-3, min=0.0, help="Peak AdamW learning rate."),
-    seed: int = typer.Option(0, help="Seed of the weights, the data and dropout."),
-    tp: int = typer.Option(1, min=1, help="Tensor-parallel degree."),
-    dp: int = typer.Option(1, min=1, help="Data-parallel degree (DDP)."),
-    pp: int = typer.Option(1, min=1, help="Pipeline stages (1F1B, 4 micro-batches)."),
-    sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (with --tp > 1)."),
-    ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
+    ctx: typer.Context,
+    config: str = typer.Option(None, "--config", help="A TOML file of options (keys named "
+                               "as the flags, e.g. batch-size = 8); flags given here win."),
+    model: str = typer.Option(_train_default("model"), help="A zoo model ("
+                              f"{', '.join(zoo.list_models())}), a transformers model folder "
+                              "(config.json + weights, e.g. save_pretrained output) or a "
+                              "config.json (random init)."),
+    size: str = typer.Option(_train_default("size"), help=f"Zoo model size: "
+                             f"{', '.join(zoo.SIZES)}."),
+    data_paths: list[str] = typer.Option(None, "--data", help="A text file or folder (every "
+                                         "file below it); repeat for more. Tokenised by the "
+                                         "model folder's tokenizer, else as bytes. Default: "
+                                         "Python's standard-library source."),
+    eval_fraction: float = typer.Option(_train_default("eval_fraction"), help="With "
+                                        "--eval-every: the share of the tokens (the tail) held "
+                                        "out for evaluation."),
+    eval_every: int = typer.Option(_train_default("eval_every"), help="Evaluate the held-out "
+                                   "loss every N steps and at the last step (0: never)."),
+    eval_batches: int = typer.Option(_train_default("eval_batches"), help="Held-out batches "
+                                     "per evaluation (fewer if they do not fit)."),
+    steps: int = typer.Option(_train_default("steps"), help="Total training steps."),
+    batch_size: int = typer.Option(_train_default("batch_size"), help="Sequences per step, "
+                                   "over all dp ranks and accumulation micro-steps."),
+    grad_accum: int = typer.Option(_train_default("grad_accum"), help="Gradient accumulation "
+                                   "micro-steps per optimizer step."),
+    seq_len: int = typer.Option(_train_default("seq_len"), help="Tokens per sequence."),
+    lr: float = typer.Option(_train_default("lr"), help="Peak AdamW learning rate."),
+    warmup_steps: int = typer.Option(None, help="Linear warm-up steps (default: 10% of "
+                                     "--steps)."),
+    lr_decay: str = typer.Option(_train_default("lr_decay"), help="After warm-up: cosine, "
+                                 "linear or constant."),
+    min_lr_ratio: float = typer.Option(_train_default("min_lr_ratio"), help="The decay ends "
+                                       "at this fraction of --lr."),
+    weight_decay: float = typer.Option(_train_default("weight_decay"), help="AdamW weight "
+                                       "decay."),
+    clip_grad: float = typer.Option(_train_default("clip_grad"), help="Clip the global "
+                                    "gradient norm to this (0: off)."),
+    seed: int = typer.Option(_train_default("seed"), help="Seed of the weights, the data and "
+                             "dropout."),
+    device: str = typer.Option(_train_default("device"), help="cpu (gloo) or cuda (NCCL, one "
+                               "GPU per local rank)."),
+    dtype: str = typer.Option(_train_default("dtype"), help="fp32, or bf16 (autocast; FSDP2 "
+                              "mixed precision with --dp-mode fsdp)."),
+    tp: int = typer.Option(_train_default("tp"), help="Tensor-parallel degree."),
+    dp: int = typer.Option(_train_default("dp"), help="Data-parallel degree."),
+    dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas) or fsdp "
+                                "(FSDP2 shards)."),
+    pp: int = typer.Option(_train_default("pp"), help="Pipeline stages (1F1B)."),
+    n_microbatches: int = typer.Option(_train_default("n_microbatches"), help="Pipeline "
+                                       "micro-batches per step."),
+    sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
+    ckpt_ratio: float = typer.Option(_train_default("ckpt_ratio"),
                                      help="Checkpoint this fraction of the layers."),
     save_dir: str = typer.Option(None, help="Save directory: an empty or new directory, or "
                                  "one torchloom made (torchloom.save keeps the 2 newest "
                                  "checkpoints in it)."),
-    save_every: int = typer.Option(0, min=0, help="Save every N steps (0: at the end)."),
+    save_every: int = typer.Option(_train_default("save_every"), help="Save every N steps "
+                                   "(0: at the end)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete "
                                 "checkpoint of --save-dir (its run configuration must match)."),
     allow_config_change: bool = typer.Option(
         False, "--allow-config-change",
         help="With --resume: continue although the checkpoint's run configuration differs."),
-    stop_after: int = typer.Option(None, min=1, help="Stop (and save) after this step; the "
+    stop_after: int = typer.Option(None, help="Stop (and save) after this step; the "
                                    "learning-rate schedule stays that of --steps."),
-    threads: int = typer.Option(0, min=0, help="torch threads per rank; 0: cores / ranks."),
-    timeout: float = typer.Option(120.0, min=1.0, help="Seconds a collective waits for the "
-                                  "other ranks; a rank that hangs, raises or dies ends the "
-                                  "run soon after."),
+    save_pretrained: str = typer.Option(None, help="At the end, write the trained model (and "
+                                        "the folder's tokenizer) here as a transformers "
+                                        "folder."),
+    metrics: str = typer.Option(None, help="Append one JSON line per step and per "
+                                "evaluation to this file."),
+    tensorboard: str = typer.Option(None, help="Also write TensorBoard events here (needs "
+                                    "tensorboard installed)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="A live progress "
+                                  "bar on a terminal."),
+    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic",
+                                       help="torch.use_deterministic_algorithms."),
+    threads: int = typer.Option(_train_default("threads"), help="torch threads per rank; 0: "
+                                "cores / ranks."),
+    timeout: float = typer.Option(_train_default("timeout"), help="Seconds a collective "
+                                  "waits for the other ranks; a rank that hangs, raises or "
+                                  "dies ends the run soon after."),
 ) -> None:
-    """Train a zoo model under its built-in schedule; resumable bit for bit."""
-    from .launch import init_group, raise_first_failure, run_ranks, under_torchrun
-    from .train import TrainConfig, check_config
+    """Train a zoo model, a model folder or a config under its built-in schedule, on local
+    text or Python's source; resumable bit for bit."""
+    from . import launch
+    from .jobconfig import options
+    from .train import check_config, check_launch
 
-    cfg = TrainConfig(model=model, size=size, steps=steps, batch_size=batch_size,
-                      seq_len=seq_len, lr=lr, seed=seed, tp=tp, dp=dp, pp=pp,
-                      sequence_parallel=sp, ckpt_ratio=ckpt_ratio, save_dir=save_dir,
-                      save_every=save_every, resume=resume,
-                      allow_config_change=allow_config_change, stop_after=stop_after)
-    check_config(cfg)  # before any rank starts: model, sequence length, save directory
-    config = cfg.to_dict()
-    world = tp * dp * pp
-    if threads:
-        torch.set_num_threads(threads)
-    elif world == 1 or under_torchrun():
+    values = dict(ctx.params)
+    values.pop("config")
+    values["data"] = values.pop("data_paths") or ()
+    values["sequence_parallel"] = values.pop("sp")
+    source = {"data": "data_paths", "sequence_parallel": "sp"}
+    # typer vendors its own click: compare the parameter source by name
+    given = {k: v for k, v in values.items()
+             if getattr(ctx.get_parameter_source(source.get(k, k)), "name", "") in
+             ("COMMANDLINE", "ENVIRONMENT")}
+    cfg = options(config, given)  # checks every value before anything else
+    check_config(cfg)  # model, data, device, outputs, save directory
+    check_launch(cfg, launch.under_torchrun())
+    run = cfg.to_dict()
+    world = cfg.world
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    elif world == 1 or launch.under_torchrun():
         torch.set_num_threads(max(1, _available_cores() // max(1, world)))
-    if under_torchrun():
-        init_group(timeout)
-        results = [train_rank_cli(torch.distributed.get_rank(), config)]
+    if launch.under_torchrun():
+        _start_group(cfg.device, cfg.timeout)
+        results = [train_rank_cli(torch.distributed.get_rank(), run)]
     else:
-        results = run_ranks(train_rank_cli, world, config, timeout_s=timeout)
+        results = launch.run_ranks(train_rank_cli, world, run, timeout_s=cfg.timeout)
     # the failing rank's own error first (a ScheduleError's message in full); exit 2
-    raise_first_failure(results, command="torchloom train")
+    launch.raise_first_failure(results, command="torchloom train")
     result = results[0]
-    if under_torchrun() and torch.distributed.get_rank() != 0:
+    if launch.under_torchrun() and torch.distributed.get_rank() != 0:
         return
     if "resumed_step" in result:
         done = result["resumed_step"]
         if result["complete"]:
-            print(f"the run in {save_dir} is already complete: its newest checkpoint is of "
-                  f"step {done} of --steps {steps}; nothing to train (to train further, "
-                  "raise --steps and add --allow-config-change)", flush=True)
+            print(f"the run in {cfg.save_dir} is already complete: its newest checkpoint is "
+                  f"of step {done} of --steps {cfg.steps}; nothing to train (to train "
+                  "further, raise --steps and add --allow-config-change)", flush=True)
         else:
-            print(f"the run in {save_dir} is already at step {done}, past --stop-after "
-                  f"{stop_after}; nothing to train", flush=True)
+            print(f"the run in {cfg.save_dir} is already at step {done}, past --stop-after "
+                  f"{cfg.stop_after}; nothing to train", flush=True)
         return
-    if result["losses"]:
-        print(f"trained steps {result['first_step']}..{result['first_step'] + len(result['losses']) - 1}: loss {result['losses'][0]:.4f} -> "
-              f"{result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+    first, losses = result["first_step"], result["losses"]
+    if losses:
+        print(f"trained steps {first}..{first + len(losses) - 1}: loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+    for step, loss in sorted(result.get("eval_losses", {}).items(), key=lambda kv: int(kv[0])):
+        if int(step) == first + len(losses) - 1:
+            print(f"held-out loss at step {step}: {loss:.4f}", flush=True)
+    if cfg.save_pretrained and losses and first + len(losses) - 1 == cfg.steps:
+        print(f"wrote {cfg.save_pretrained} (transformers' from_pretrained loads it)",
+              flush=True)
 
 
 @app.command()
