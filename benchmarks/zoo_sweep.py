@@ -37,6 +37,7 @@ Usage::
     python benchmarks/zoo_sweep.py                          # every family (long)
     python benchmarks/zoo_sweep.py --families llama,qwen2,mixtral --json out.json
     python benchmarks/zoo_sweep.py --limit 10 --timeout 120
+    python benchmarks/zoo_sweep.py --ci                     # the CI subset (12 families)
 
 >>> kw = tiny_kwargs(__import__("transformers").LlamaConfig)   # Llama's defaults: sizes only
 >>> sorted(kw.items())                       # (its head_dim and KV heads are derived: 128, 32)
@@ -53,6 +54,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import importlib
 import inspect
 import json
@@ -130,19 +132,31 @@ def model_class_of(name: str) -> type | None:
         return None
 
 
-def _takes_config(model_class: str, config_cls: type) -> bool:
-    """Whether ``model_class`` is built from ``config_cls`` (an auto mapping may name a
-    causal LM class of a multimodal family that takes only its text config)."""
+def _takes_config(model_class: str, config_cls: type) -> bool | None:
+    """Whether ``model_class`` is built from ``config_cls``: False when it takes one of
+    the config's sub-configs (an auto mapping may name a causal LM class of a multimodal
+    family that takes only its text config), None when it cannot be imported. A class of
+    another family (``exaone`` -> ``LlamaForCausalLM``) takes any config with its
+    fields."""
     cls = model_class_of(model_class)
     if cls is None:
-        return False
+        return None
     wanted = getattr(cls, "config_class", None)
-    return wanted is None or issubclass(config_cls, wanted)
+    subs = [c for c in (getattr(config_cls, "sub_configs", None) or {}).values()
+            if isinstance(c, type)]
+    return not (wanted is not None and not issubclass(config_cls, wanted)
+                and any(issubclass(c, wanted) for c in subs))
 
 
 def discover() -> tuple[list[Family], list[dict[str, str]]]:
     """Every family with a tensor-parallel plan and a model class; and those skipped
     (a plan-carrying sub-config without a model class of its own), with the reason."""
+    families, skipped = _discover()
+    return list(families), [dict(s) for s in skipped]
+
+
+@functools.lru_cache(maxsize=1)
+def _discover() -> tuple[tuple[Family, ...], tuple[dict[str, str], ...]]:
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -157,19 +171,34 @@ def discover() -> tuple[list[Family], list[dict[str, str]]]:
         holder = _plan_holder(config_cls)
         if holder is None:
             continue
+        missing = []
         for mapping in CLASS_MAPPINGS:
             model_class = getattr(modeling_auto, mapping, {}).get(key)
             if isinstance(model_class, (list, tuple)):
                 model_class = model_class[0]
-            if model_class and _takes_config(model_class, config_cls):
+            if not model_class:
+                continue
+            takes = _takes_config(model_class, config_cls)
+            if takes:
                 families.append(Family(key, config_cls.__name__, model_class,
                                        mapping.removesuffix("_MAPPING_NAMES"), holder))
                 break
+            if takes is None:
+                missing.append(model_class)
         else:
-            skipped.append({"family": key, "reason": "no model class of its own (a "
-                            "sub-config; its parent family runs it)"})
-    return families, skipped
+            reason = (f"model class {missing[0]} cannot be imported" if missing else
+                      "no model class of its own (a sub-config; its parent family runs it)")
+            skipped.append({"family": key, "reason": reason})
+    return tuple(families), tuple(skipped)
 
+
+#: the fixed subset CI runs (``--ci``), one 2-rank launch: dense with grouped KV heads
+#: (llama), with biases (qwen2, starcoder2, phi), with tied embeddings (gemma, gemma3),
+#: mixtures of experts (mixtral; qwen2_moe with a shared expert; deepseek_v3 with latent
+#: attention), an encoder (eurobert), an encoder-decoder (t5gemma), multimodal models
+#: whose text config carries the plan (qwen2_vl, gemma3)
+CI_FAMILIES = ("llama", "qwen2", "gemma", "starcoder2", "phi", "mixtral", "qwen2_moe",
+               "deepseek_v3", "eurobert", "t5gemma", "qwen2_vl", "gemma3")
 
 # ----------------------------------------------------------------------- tiny configs
 
@@ -654,8 +683,13 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int,
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+    """The exception's type and first line (and the next one when the first only
+    announces it, as a config validator's error does)."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    first = text[0] if text else ""
+    if first.endswith(":") and len(text) > 1:
+        first = f"{first} {text[1]}"
+    return f"{type(err).__name__}: {first}"[:300]
 
 
 def _culprit(err: BaseException) -> str:
@@ -699,7 +733,7 @@ def run_family(family: Family, schedule: str = "auto", try_sp: bool = True,
     from torchloom.errors import ScheduleError
 
     row: dict[str, Any] = {"family": family.name, "model_class": family.model_class,
-                           "plan_in": family.plan_in, "status": "failed", "stage": "config",
+                           "plan_in": family.plan_in, "status": "failed", "stage": "build",
                            "sp": None, "sp_refused": None, "culprit": "", "error": ""}
     start = time.perf_counter()
     try:
@@ -753,6 +787,7 @@ def run_family(family: Family, schedule: str = "auto", try_sp: bool = True,
         row["status"], row["stage"] = "passed", ""
     except Exception as err:  # noqa: BLE001 - every failure is a row of the table
         row["error"] = _first_line(err)
+        row["error_detail"] = str(err)[:2000]  # all of it: values, fix
         row["error_type"] = type(err).__name__
         row["culprit"] = _culprit(err)
         row["schedule_error"] = isinstance(err, ScheduleError)
@@ -898,7 +933,7 @@ def sweep(families: list[Family], args: argparse.Namespace,
 # ----------------------------------------------------------------------- the report
 
 #: stages at which the unscheduled tiny model itself failed: not torchloom's failures
-NOT_BUILDING = ("config", "reference")
+NOT_BUILDING = ("build", "reference")
 
 
 def counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -917,6 +952,8 @@ def counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "failed": len(failed),
         "failed_by_stage": by_stage,
         "with_sp": sum(1 for r in passed if r.get("sp")),
+        # passed, but the plan split nothing of this model (each rank holds all of it)
+        "passed_unsplit": sum(1 for r in passed if r.get("local_share", 0) >= 1.0),
         "pass_rate": round(len(passed) / len(building), 4) if building else 0.0,
     }
 
@@ -931,13 +968,19 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, str]] | None = 
     c = counts(rows)
     lines = [header] if header else []
     lines += [
+        "`kept`: the share of the model's parameters each rank holds after the TP=2 "
+        "schedule (0.5 when everything is split); `sp`: whether sequence parallelism ran "
+        "(the error that refused it is in the JSON, `sp_refused`).",
+        "",
         f"{c['passed']} of {c['building']} families that build from a tiny config pass "
-        f"({100 * c['pass_rate']:.0f}%; {c['with_sp']} of them with sequence parallelism); "
+        f"({100 * c['pass_rate']:.0f}%; {c['with_sp']} of them with sequence parallelism, "
+        f"{c['passed_unsplit']} with nothing split); "
         f"{c['failed']} fail ({', '.join(f'{k}: {v}' for k, v in sorted(c['failed_by_stage'].items())) or 'none'}); "
         f"{c['not_building']} do not build or run from a tiny config.",
         "",
-        "| family | model class | plan in | result | sp | failed at | style / module | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | model class | plan in | result | sp | kept | failed at | style / module "
+        "| error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(rows, key=lambda r: (r.get("stage") in NOT_BUILDING,
                                         r["status"] != "passed", r["family"]))
@@ -947,6 +990,7 @@ def markdown(rows: list[dict[str, Any]], skipped: list[dict[str, str]] | None = 
         sp = {True: "yes", False: "no", None: "-"}[r.get("sp")]
         lines.append("| " + " | ".join(_cell(x) for x in (
             r["family"], r.get("model_class", ""), r.get("plan_in", ""), result, sp,
+            f"{r['local_share']:.2f}" if "local_share" in r else "",
             r.get("stage", "") if r["status"] != "passed" else "",
             r.get("culprit", ""), r.get("error", ""))) + " |")
     if skipped:
@@ -961,6 +1005,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--families", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="comma-separated config keys (model_type), e.g. llama,qwen2,mixtral")
+    p.add_argument("--ci", action="store_true",
+                   help=f"the fixed CI subset: {','.join(CI_FAMILIES)}")
     p.add_argument("--limit", type=int, help="only the first N families")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one family may take (and the collective timeout)")
@@ -979,6 +1025,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def select(args: argparse.Namespace) -> tuple[list[Family], list[dict[str, str]]]:
     """The families the arguments ask for (unknown names are an error)."""
     families, skipped = discover()
+    if args.ci and not args.families:
+        args.families = list(CI_FAMILIES)
     if args.families:
         known = {f.name: f for f in families}
         unknown = [n for n in args.families if n not in known]
