@@ -1,13 +1,33 @@
 """Reading tensors out of model outputs (a tensor, tuples/lists, dicts, transformers
-``ModelOutput``), shared by the verifier, the pipeline split and the test helpers."""
+``ModelOutput``), shared by the verifier, the pipeline split and the test helpers; and the
+keyword that turns a transformers model's KV cache off in a training call."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-__all__ = ["tensors_in", "main_tensor"]
+__all__ = ["tensors_in", "main_tensor", "no_cache_kwargs"]
+
+
+def no_cache_kwargs(model: Any) -> dict[str, bool]:
+    """``{"use_cache": False}`` when ``model``'s forward (or the forward of the module a
+    DDP wrapper holds) takes ``use_cache``, else ``{}``: a training step never needs the
+    KV cache that transformers' default configs (``use_cache=True``) build.
+
+    >>> import transformers
+    >>> cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)
+    >>> no_cache_kwargs(transformers.GPT2LMHeadModel(cfg)), no_cache_kwargs(torch.nn.Linear(1, 1))
+    ({'use_cache': False}, {})
+    """
+    inner = getattr(model, "module", model)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -178,19 +178,19 @@ def _line(lines: list[str], index: int, what: str = "the recipe ends after line"
 
 
 def _gather_texts(data: dict[str, list[str]], world: int, group: Any,
-                  device: torch.device) -> list[dict[str, list[str]]]:
+                  device: torch.device, primitive: str) -> list[dict[str, list[str]]]:
     """All-gather one JSON document per rank (as bytes, not pickles: a peer's data is
     parsed, never unpickled)."""
     raw = torch.frombuffer(bytearray(json.dumps(data).encode()), dtype=torch.uint8).to(device)
     size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    with guard_collective("all_gather", "build"):
+    with guard_collective("all_gather", primitive, group):
         dist.all_gather(sizes, size, group=group)
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: raw.numel()] = raw
     pieces = [torch.zeros_like(padded) for _ in range(world)]
-    with guard_collective("all_gather", "build"):
+    with guard_collective("all_gather", primitive, group):
         dist.all_gather(pieces, padded, group=group)
     out = []
     for piece, n in zip(pieces, sizes):
@@ -231,7 +231,7 @@ def check_ranks_agree(sch: Schedule, primitive: str = "build") -> None:
         return
     lines = recipe_lines(root.recipe)
     texts = _gather_texts({"canonical": canonical, "lines": lines, "shapes": shapes}, world,
-                          group, device)
+                          group, device, primitive)
     other = differing[0]
     other_lines, other_shapes = texts[other]["lines"], texts[other]["shapes"]
     # build(...) is called on the root, not on a node; Verify names the root it checks

@@ -1065,7 +1065,9 @@ class _Builder:
 # --------------------------------------------------------------------------- build
 
 
-def _has_meta(model: nn.Module) -> bool:
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (a model
+    made under :func:`~torchloom.init_empty_weights` that ``build`` has not filled)."""
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
@@ -1397,7 +1399,7 @@ def build(
         names = getattr(mesh, "mesh_dim_names", None) or ()
         pp_group = mesh["pp"].get_group() if "pp" in names else (
             mesh.get_group() if mesh is not None else None)
-        if weights is not None and _has_meta(sch.mod):
+        if weights is not None and has_meta_tensors(sch.mod):
             # read only this rank's stages from the files: split the (meta) model first
             keep = local_stage_tensors(sch, schedule=schedule, example_inputs=example_inputs,
                                        loss_fn=loss_fn, group=pp_group)

@@ -852,12 +852,18 @@ def _check_pipeline_args(example_inputs: Any, loss_fn: Any) -> None:
                          fix="build(sch, target='pipeline', loss_fn=lambda logits, target: ...)")
 
 
+def stages_per_rank(schedule: str) -> int:
+    """How many stages each pipeline rank runs under ``schedule`` (the interleaved
+    schedule runs two, every other one)."""
+    return 2 if schedule == "Interleaved1F1B" else 1
+
+
 def _my_stages(num_stages: int, schedule: str, group: Any) -> list[int]:
     """The stages this rank runs (stage k on pipeline rank k mod ranks), after checking
     that the schedule has the number of stages the ranks need."""
     ranks = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    per_rank = stages_per_rank(schedule)
     if num_stages != ranks * per_rank:
         raise BuildError(
             f"{num_stages} stages for {ranks} pipeline ranks: {schedule} needs "
@@ -903,7 +909,7 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     rank = dist.get_rank(group)
     split = split_stages(sch, example_inputs)
     num_stages = len(split.modules)
-    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    per_rank = stages_per_rank(schedule)
     mine = _my_stages(num_stages, schedule, group)
     dev = torch.device(device)
     stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group) for k in mine]

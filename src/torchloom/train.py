@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data, models, zoo
+from ._outputs import no_cache_kwargs
 from .build import build, init_empty_weights
 from .collectives import guard_collective
 from .errors import ScheduleError
@@ -658,7 +659,7 @@ def _flops_per_token(cfg: TrainConfig) -> float | None:
         counter = FlopCounterMode(display=False)
         with _tensors_on_meta(model, True), mode, counter:
             ids = fake_values(mode, ids)
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss.backward()
         return counter.get_total_flops() / cfg.seq_len
     except Exception:  # noqa: BLE001 - a model FlopCounterMode cannot run on meta: no MFU
         return None
@@ -1016,7 +1017,7 @@ def _fsdp_no_sync(model: Any) -> Iterator[None]:
 
 def _step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The training loss of one batch of token windows."""
-    return model(input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss
 
 
 def _check_finite(value: float, step: int, optimizer: torch.optim.Optimizer,

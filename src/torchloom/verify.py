@@ -263,7 +263,9 @@ class Verify:
             return self
         check_ranks_agree(self.sch, primitive="Verify")  # before weights are broadcast
         model = self.sch.mod
-        self._meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        from .build import has_meta_tensors
+
+        self._meta = has_meta_tensors(model)
         if self.weights is not None and not self._meta:
             raise VerificationError(
                 "weights= loads a model built under init_empty_weights; this model already "
