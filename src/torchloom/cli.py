@@ -747,6 +747,15 @@ def _param_text(param: inspect.Parameter) -> str:
     return param.name
 
 
+def _register_plan() -> None:
+    from .plan.cli import plan_command
+
+    app.command("plan")(_clean_errors(plan_command))
+
+
+_register_plan()
+
+
 def main() -> None:
     """Entry point of the ``torchloom`` console script."""
     app()

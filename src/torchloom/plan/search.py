@@ -1,0 +1,183 @@
+"""Search the layouts of N devices for the fastest one that fits.
+
+:func:`enumerate_layouts` lists every layout of ``gpus`` devices that the model can take
+for a global batch: tensor-parallel degrees up to a node that divide the attention
+heads, KV heads (or are multiples of them) and MLP features; pipeline degrees that
+split the layers evenly, with at least as many micro-batches as stages; data-parallel
+degrees that divide the batch; DDP or FSDP2 (FSDP2 without a pipeline); sequence
+parallelism with tensor parallelism (on by default: the same bytes as plain tensor
+parallelism, less activation memory); the checkpoint ratios and micro-batch sizes
+asked for. What a degree fixed by the caller leaves is searched.
+
+:func:`search` drops the layouts whose parameters, gradients and optimizer state alone
+cannot fit (counted from the model's shapes, before anything is measured), predicts the
+rest (:func:`torchloom.plan.predict`; a measurement per tensor-parallel degree and
+data-parallel mode serves every depth, stage split and micro-batch size) and ranks them:
+those that fit by predicted throughput (tokens per second), then the others by peak
+memory.
+
+>>> result = search("gpt2", 2, "h100-80gb", batch_size=4, seq_len=32, ckpt_ratios=(0.0,),
+...                 micro_batches=(2,), tp=1, pp=1)
+>>> sorted(p.layout.describe() for p in result.ranked)
+['tp1 dp2(ddp) mb2 ckpt0 fp32/bf16', 'tp1 dp2(fsdp) mb2 ckpt0 fp32/bf16']
+>>> result.best.tokens_per_s == max(p.tokens_per_s for p in result.ranked)
+True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PlanError
+from .layout import OPTIMIZERS, Layout, check_model
+from .predict import Prediction, predict
+from .profiles import Profile, get_profile
+from .spec import DTYPES, ModelSpec, model_spec
+from .units import ScheduleFn
+
+__all__ = ["SearchResult", "enumerate_layouts", "search", "state_lower_bound"]
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class SearchResult:
+    """A search: the predictions ranked, and what was left out and why."""
+
+    ranked: list[Prediction]
+    rejected: list[tuple[Layout, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Prediction | None:
+        """The fastest layout that fits (None when none does)."""
+        return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: int,
+                      gpus_per_node: int = 8, tp: int | None = None, pp: int | None = None,
+                      dp: int | None = None, dp_mode: str | None = None,
+                      sp: bool | None = None, ckpt_ratios: Iterable[float] = (0.0, 0.5, 1.0),
+                      micro_batches: Iterable[int] = (1, 2, 4, 8),
+                      pipeline_schedule: str = "1F1B", param_dtype: str = "fp32",
+                      mixed_precision: str | None = None, optimizer: str = "adamw",
+                      ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """Every valid layout (see the module docstring), and the ones refused with why."""
+    out: list[Layout] = []
+    rejected: list[tuple[Layout, str]] = []
+    tps = [tp] if tp else [d for d in _divisors(gpus) if d <= gpus_per_node]
+    for t in tps:
+        if gpus % t:
+            continue
+        pps = [pp] if pp else _divisors(gpus // t)
+        for p in pps:
+            if (gpus // t) % p:
+                continue
+            d = gpus // (t * p)
+            if dp is not None and d != dp:
+                continue
+            if batch_size % d:
+                continue
+            local = batch_size // d
+            modes = [dp_mode] if dp_mode else (["ddp", "fsdp"] if d > 1 and p == 1 else ["ddp"])
+            sps = [sp] if sp is not None else [t > 1]
+            for mode in modes:
+                for s in sps:
+                    if s and t == 1:
+                        continue
+                    for mb in micro_batches:
+                        if local % mb:
+                            continue
+                        n = local // mb
+                        if p > 1 and n < p:
+                            continue
+                        for r in ckpt_ratios:
+                            try:
+                                lay = Layout(tp=t, sp=s, pp=p, dp=d, dp_mode=mode,
+                                             pipeline_schedule=pipeline_schedule,
+                                             n_microbatches=n, micro_batch=mb,
+                                             seq_len=seq_len, ckpt_ratio=r,
+                                             param_dtype=param_dtype,
+                                             mixed_precision=mixed_precision,
+                                             optimizer=optimizer)
+                            except PlanError:
+                                continue
+                            try:
+                                check_model(lay, spec)
+                            except PlanError as err:
+                                rejected.append((lay, err.problem))
+                                continue
+                            out.append(lay)
+    return out, rejected
+
+
+def _layer_params(spec: ModelSpec) -> tuple[int, int]:
+    """(parameters of one layer, the others) of the model, from its meta build."""
+    model = spec.build(depth=1)
+    stack = model.get_submodule(spec.layers)
+    layer = sum(p.numel() for p in stack.parameters())
+    return layer, sum(p.numel() for p in model.parameters()) - layer
+
+
+def state_lower_bound(layout: Layout, layer_params: int, num_layers: int) -> int:
+    """Bytes that parameters, gradients and optimizer state need at least on the busiest
+    rank: its stage's layers split between the tensor-parallel ranks (and the FSDP2
+    ranks), in the parameter dtype."""
+    per_stage = max(layout.stage_layers(num_layers))
+    share = layout.tp * (layout.dp if layout.dp_mode == "fsdp" else 1)
+    size = DTYPES[layout.param_dtype].itemsize
+    return per_stage * layer_params // share * size * (2 + OPTIMIZERS[layout.optimizer])
+
+
+def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch_size: int,
+           seq_len: int, schedule: ScheduleFn | None = None, size: str = "tiny",
+           progress: Progress | None = None, **space: Any) -> SearchResult:
+    """Rank the layouts of ``gpus`` devices for ``model`` (see the module docstring).
+    ``space``: the keyword arguments of :func:`enumerate_layouts` (degrees, modes, ratios,
+    micro-batch sizes, dtypes, optimizer); ``progress(done, total, what)`` is called
+    before each prediction."""
+    started = time.perf_counter()
+    spec = model_spec(model, size=size, seq_len=seq_len)
+    prof = get_profile(profile)
+    space.setdefault("gpus_per_node", prof.gpus_per_node)
+    space.setdefault("mixed_precision", "bf16" if "bf16" in prof.flops else None)
+    layouts, rejected = enumerate_layouts(spec, gpus, batch_size=batch_size,
+                                          seq_len=seq_len, **space)
+    if not layouts and not rejected:
+        raise PlanError(
+            f"no layout of {gpus} devices takes a batch of {batch_size} sequences",
+            primitive="plan", values={"gpus": gpus, "batch_size": batch_size, **{
+                k: v for k, v in space.items() if k in ("tp", "pp", "dp")}},
+            fix=f"a --batch-size divisible by the data-parallel degree, e.g. {gpus}")
+    layer, _ = _layer_params(spec)
+    todo = []
+    for lay in layouts:
+        need = state_lower_bound(lay, layer, spec.num_layers)
+        if need > prof.budget:
+            rejected.append((lay, f"parameters, gradients and optimizer state alone need "
+                                  f"{need / 2**30:.1f} GiB > {prof.budget / 2**30:.1f} GiB"))
+        else:
+            todo.append(lay)
+    # measurements are shared by layouts with the same tensor-parallel degree and mode:
+    # predict those groups together so that a progress bar moves evenly
+    todo.sort(key=lambda l: (l.tp, l.sp, l.dp_mode, l.pp > 1, l.pp, l.micro_batch,
+                             l.ckpt_ratio))
+    preds: list[Prediction] = []
+    for i, lay in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo), lay.describe())
+        try:
+            preds.append(predict(spec, lay, prof, schedule=schedule))
+        except PlanError as err:
+            rejected.append((lay, err.problem))
+    if progress is not None:
+        progress(len(todo), len(todo), "done")
+    preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.peak))
+    return SearchResult(preds, rejected, time.perf_counter() - started)

@@ -1,0 +1,645 @@
+"""The pieces a step is made of, measured on fake tensors with a fake process group.
+
+A transformer's training step is the same few pieces repeated: the embedding part ``E``
+(everything before the first layer), each layer (checkpointed or not), and the head part
+``H`` (final norm, output layer and loss), forward then backward in reverse. The planner
+measures those pieces once per distinct ``(tp, sp, micro-batch, sequence, dtypes, FSDP
+degree, loss)`` and composes any depth, stage split and micro-batch count from them
+(:mod:`torchloom.plan.predict`).
+
+A measurement (:func:`measure_units`) runs one training forward and backward of the model
+shortened to three layers (the first two checkpointed), scheduled with
+the real schedule at the real tensor-parallel degree, as rank 0 of a fake process group
+(``torch.distributed`` backend ``"fake"``: collectives do nothing), on fake tensors
+(``FakeTensorMode``: shapes and storages, no data, nothing allocated). With FSDP2 the
+layers and the root are ``fully_shard``-ed over the data-parallel ranks first, so its
+all-gathers, reduce-scatters and unsharded parameters are the real runtime's. Hooks at the
+layer boundaries cut the step into segments (``E.f``, ``L0.f`` ... ``L2.f``, ``H.f``,
+``H.b``, ``L2.b`` ... ``L0.b``, ``E.b``); each records, with a
+:class:`~torchloom.plan.tracking.Tracker`:
+
+* live bytes at its start and end and the peak in between;
+* its collectives (operator, bytes, mesh dimension);
+* its FLOPs (``torch.utils.flop_counter.FlopCounterMode``; a checkpointed layer's backward
+  includes the recomputed forward), and per operator the FLOPs and bytes moved, for a
+  roofline time on any device profile.
+
+Layer 0 is the first layer (checkpointed), layer 1 a checkpointed one after it and layer 2
+a plain one (the last); position effects of the first layer (a scatter before it with
+sequence parallelism, the end of FSDP2's backward prefetch) are kept apart from the
+per-layer cost that way. The last layer costs what a plain layer in the middle does (its
+neighbours, the head and FSDP2's prefetch, are measured in the head's pieces).
+
+Everything in a measurement is affine in the micro-batch size (activations, FLOPs, bytes
+and tensor-parallel collectives grow with it; parameters, FSDP2's buffers and collectives
+do not), so the planner measures micro-batches of one and two sequences and
+extrapolates any other size operator by operator (:func:`extrapolate`).
+
+:func:`crossing` splits a shortened model into pipeline stages on meta
+(:func:`torchloom.pipeline.split_stages`) and returns the tensors that cross a stage
+boundary between two layers (what a pipeline sends per micro-batch).
+
+>>> from torchloom.plan.spec import model_spec
+>>> spec = model_spec("gpt2")
+>>> u = measure_units(spec, UnitKey(micro_batch=2, seq_len=16))
+>>> [s for s in u.segments][:3], len(u.segments)
+(['E.f', 'L0.f', 'L1.f'], 10)
+>>> u.segments["L2.f"].flops == u.segments["L1.f"].flops > 0   # plain == checkpointed fwd
+True
+>>> u.segments["L1.b"].flops > u.segments["L2.b"].flops        # recompute counted
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .._outputs import no_cache_kwargs
+from ..meta import copy_meta
+from .errors import PlanError
+from .spec import DTYPES, ModelSpec
+from .tracking import Collective, Tracker, fsdp_storage_resizes
+
+__all__ = ["UnitKey", "Units", "SegmentCost", "OpCost", "measure_units", "crossing",
+           "fake_world", "next_token_loss", "extrapolate", "DEPTH", "CKPT_LAYERS"]
+
+DEPTH = 3          # layers of the shortened model
+CKPT_LAYERS = 2    # of which the first ones are checkpointed
+_PRIMITIVE = "plan"
+
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "as_strided",
+    "slice", "select", "detach", "alias", "unsqueeze", "squeeze", "split", "split_with_sizes",
+    "chunk", "unbind", "narrow", "empty", "empty_like", "empty_strided", "new_empty",
+    "new_empty_strided", "lift_fresh", "_to_copy_meta", "view_as", "unfold", "diagonal",
+    "_reshape_alias", "set_", "resize_", "is_same_size", "_has_compatible_shallow_copy_type",
+})
+_MATMULS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward",
+})
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss a pipeline's last stage computes (as ``torchloom train``): next-token
+    cross-entropy on the logits."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), target[:, 1:].reshape(-1))
+
+
+@dataclass(frozen=True)
+class UnitKey:
+    """What a measurement depends on (one cache entry).
+
+    Attributes:
+        tp, sp: tensor-parallel degree and sequence parallelism.
+        micro_batch, seq_len: the micro-batch's shape.
+        param_dtype, mixed_precision: as in :class:`~torchloom.plan.layout.Layout`.
+        fsdp: the FSDP2 degree (1: no FSDP).
+        loss: ``"model"`` (the model's own loss from ``labels``) or ``"next_token"``
+            (the pipeline's: logits out, :func:`next_token_loss`).
+    """
+
+    tp: int = 1
+    sp: bool = False
+    micro_batch: int = 1
+    seq_len: int = 16
+    param_dtype: str = "fp32"
+    mixed_precision: str | None = None
+    fsdp: int = 1
+    loss: str = "model"
+
+
+@dataclass
+class SegmentCost:
+    """One segment of the measured step (see the module docstring)."""
+
+    name: str
+    start: int
+    delta: int
+    rise: int
+    flops: int
+    matmuls: list[tuple[int, int, str]]
+    other_bytes: int
+    collectives: list[Collective]
+
+
+@dataclass
+class Units:
+    """A measurement: segments, and the state each part holds.
+
+    Attributes:
+        key: what was measured.
+        segments: by name, in step order.
+        params: bytes of the parameters each part (``E``, ``L0`` ... ``L2``, ``H``) holds
+            (as this rank holds them; a weight used by ``E`` and ``H``, GPT-2's tied
+            embedding, in both).
+        shared: bytes of the parameters held by both ``E`` and ``H``.
+        grads: gradient bytes per part (created in its backward).
+        largest: the largest parameter tensor of each part (bytes).
+        param_tensors: parameter tensors per part.
+        buffers: bytes of buffers: ``"L"`` per layer, ``"E"`` the others.
+        inputs: bytes of one micro-batch's inputs.
+        start: live bytes when the step started (parameters, buffers, inputs).
+        flops_total: FLOPs of the whole step.
+        leftover: bytes still held after backward by the step's outputs (logits, loss),
+            freed when the training loop drops them.
+    """
+
+    key: UnitKey
+    segments: dict[str, SegmentCost]
+    params: dict[str, int]
+    shared: int
+    grads: dict[str, int]
+    largest: dict[str, int]
+    param_tensors: dict[str, int]
+    buffers: dict[str, int]
+    inputs: int
+    start: int
+    flops_total: int
+    leftover: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OpCost(Tracker):
+    """A :class:`~torchloom.plan.tracking.Tracker` that also prices every operator: its
+    FLOPs (FlopCounterMode's formulas, :data:`torch.utils.flop_counter.flop_registry`) and
+    the bytes it reads and writes, for a roofline time. Matmul-like operators are listed
+    one by one; the others only add bytes. One dispatch mode does both (each mode on the
+    stack costs time per operator)."""
+
+    def __init__(self, groups: dict[str, str] | None = None) -> None:
+        super().__init__(groups)
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry: dict[Any, Callable[..., int]] = {
+            **flop_registry, **_cpu_sdpa_mapping()}
+        self.flops = 0
+        self.matmuls: list[tuple[int, int, str]] = []
+        self.other_bytes = 0
+
+    def take(self) -> tuple[list[tuple[int, int, str]], int]:
+        """What was recorded since the last call, and start anew."""
+        out = (self.matmuls, self.other_bytes)
+        self.matmuls, self.other_bytes = [], 0
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        namespace = getattr(func, "namespace", "")
+        name = func._schema.name.split("::")[-1]
+        if namespace in ("c10d", "_c10d_functional") or name in _VIEWS:
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
+        fn = self.registry.get(func._overloadpacket)
+        if fn is not None:
+            flops = int(fn(*args, **kwargs, out_val=out))
+            self.flops += flops
+            floats = [t for t in tensors if t.is_floating_point()]
+            dtype = _DTYPE_NAMES.get(floats[0].dtype, "fp32") if floats else "fp32"
+            self.matmuls.append((flops, moved, dtype))
+        else:
+            self.other_bytes += moved
+        return out
+
+
+def _cpu_sdpa_formulas() -> dict[Any, Callable[..., int]]:
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    out: dict[Any, Callable[..., int]] = {}
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None:
+        out[fwd] = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None:
+        out[bwd] = (lambda grad, q, k, v, *a, out_shape=None, **kw:
+                    fc.sdpa_backward_flop_count(grad, q, k, v))
+    return out
+
+
+def _cpu_sdpa_mapping() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas for the CPU flash-attention kernels, which FlopCounterMode lacks (the
+    CUDA kernels' formulas apply: the same products), wrapped as FlopCounterMode wraps its
+    own (tensors -> shapes)."""
+    from torch.utils.flop_counter import shape_wrapper
+
+    return {k: shape_wrapper(v) for k, v in _cpu_sdpa_formulas().items()}
+
+
+def flop_counter() -> Any:
+    """A FlopCounterMode that also knows the CPU attention kernels."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_formulas())
+
+
+# --------------------------------------------------------------------------- fake world
+
+_OURS = {"active": False}
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0) -> Iterator[None]:
+    """A fake default process group of ``world`` ranks, this process being ``rank``
+    (collectives do nothing); the previous fake group of the planner is replaced, a real
+    one is refused."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if not _OURS["active"]:
+            raise PlanError(
+                "the planner runs on its own fake process group, and this process already "
+                f"has one ({dist.get_backend()}, {dist.get_world_size()} ranks)",
+                primitive=_PRIMITIVE, values={"backend": dist.get_backend()},
+                fix="plan before init_process_group, or in another process")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    _OURS["active"] = True
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _OURS["active"] = False
+
+
+# --------------------------------------------------------------------------- the model
+
+ScheduleFn = Callable[[Any, dict[str, Any]], None]
+
+
+def apply_knobs(sch: Any, spec: ModelSpec, knobs: dict[str, Any],
+                schedule: ScheduleFn | None = None) -> None:
+    """Apply the schedule: ``schedule(sch, knobs)`` when given, else the model's built-in
+    schedule (``models.apply_schedule(sch, **knobs)``); a model without one is only
+    checkpointed (and refuses ``tp``)."""
+    from .. import models
+    from ..errors import ScheduleError
+
+    if schedule is not None:
+        schedule(sch, dict(knobs))
+        return
+    try:
+        models.schedule_for(sch.mod)
+    except ScheduleError:
+        if knobs.get("tp"):
+            raise PlanError(
+                f"{type(sch.mod).__name__} has no built-in schedule to split it between "
+                "tensor-parallel ranks", primitive=_PRIMITIVE,
+                values={"model": type(sch.mod).__name__}, fix="--tp 1, or pass schedule=")
+        if knobs.get("ckpt_ratio"):
+            sch[spec.layers].checkpoint(ratio=knobs["ckpt_ratio"])
+        return
+    models.apply_schedule(sch, **knobs)
+
+
+def _fake_params(model: nn.Module, mode: Any) -> None:
+    """Replace every meta parameter and buffer by a fake CPU tensor of its shape (tied
+    parameters stay tied, gradient hooks stay on them); nothing is allocated."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in memo:
+                    with mode:
+                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    if is_param:
+                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                        copy_meta(t, fake)
+                        # gradient hooks (sync("param_grad", ...)) stay with the parameter
+                        for hook in (getattr(t, "_backward_hooks", None) or {}).values():
+                            fake.register_hook(hook)
+                    memo[id(t)] = fake
+                table[name] = memo[id(t)]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def _autocast(key: UnitKey) -> Any:
+    if key.mixed_precision is None or key.fsdp > 1:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=DTYPES[key.mixed_precision])
+
+
+def _fully_shard(model: nn.Module, layers: nn.ModuleList, mesh: Any, key: UnitKey) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=DTYPES[key.mixed_precision],
+                                   reduce_dtype=DTYPES[key.param_dtype])
+              if key.mixed_precision else MixedPrecisionPolicy())
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    inner = getattr(t, "_local_tensor", None)
+    t = inner if isinstance(inner, torch.Tensor) else t
+    return t.numel() * t.element_size()
+
+
+def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None,
+                  depth: int = DEPTH, ckpt_layers: int = CKPT_LAYERS) -> Units:
+    """Measure the pieces of a step (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..parallel import init_mesh
+    from ..schedule import create_schedule
+
+    with fake_world(key.tp * key.fsdp):
+        mesh = init_mesh(dp=key.fsdp, tp=key.tp, device_type="cpu")
+        groups = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+        model = spec.build(depth=depth, dtype=DTYPES[key.param_dtype])
+        sch = create_schedule(model, group=mesh["tp"].get_group() if key.tp > 1 else None)
+        knobs: dict[str, Any] = {"ckpt_ratio": ckpt_layers / depth}
+        if key.tp > 1:
+            knobs["tp"] = True
+        if key.sp:
+            knobs["sequence_parallel"] = True
+        apply_knobs(sch, spec, knobs, schedule)
+        layers = model.get_submodule(spec.layers)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        if key.fsdp > 1:
+            _fully_shard(model, layers, mesh["dp"], key)
+            with mode:
+                model.to_empty(device="cpu")
+        else:
+            _fake_params(model, mode)
+        with mode:
+            inputs = spec.inputs(key.micro_batch, key.seq_len, device="cpu",
+                                 labels=key.loss == "model")
+        return _run(spec, key, model, layers, inputs, mode, groups)
+
+
+def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
+         inputs: dict[str, torch.Tensor], mode: Any, groups: dict[str, str]) -> Units:
+    depth = len(layers)
+    tracker = OpCost(groups)
+    segments: dict[str, SegmentCost] = {}
+    state = {"part": "E", "flops": 0}
+    # which parts use each module's own parameters: layer i's modules are Li's, the
+    # others are recorded when the forward calls them (by module, since FSDP2 swaps the
+    # parameter objects during the forward)
+    layer_of = {id(m): f"L{i}" for i, layer in enumerate(layers) for m in layer.modules()}
+    module_parts: dict[int, set[str]] = {}
+
+    def mark(name: str) -> None:
+        seg = tracker.mark(name)
+        total = tracker.flops
+        matmuls, other = tracker.take()
+        segments[name] = SegmentCost(name, seg.start, seg.delta, seg.rise,
+                                     total - state["flops"], matmuls, other, seg.collectives)
+        state["flops"] = total
+
+    handles = []
+
+    def grad_mark(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            mark(name)
+        return hook
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            mark("E.f" if i == 0 else f"L{i - 1}.f")
+            state["part"] = f"L{i}"
+            if i == 0:
+                x = _first_tensor((args, kwargs))
+                if x is not None and x.requires_grad:
+                    x.register_hook(grad_mark("L0.b"))
+        return hook
+
+    def post_first(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            y = _first_tensor(output)
+            if y is not None and y.requires_grad:
+                y.register_hook(grad_mark("H.b" if i == depth - 1 else f"L{i + 1}.b"))
+        return hook
+
+    def post_last(module: nn.Module, args: Any, output: Any) -> None:
+        mark(f"L{depth - 1}.f")
+        state["part"] = "H"
+
+    def use(module: nn.Module, args: Any) -> None:
+        module_parts.setdefault(id(module), set()).add(state["part"])
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre(i), prepend=True, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_first(i), prepend=True))
+    handles.append(layers[depth - 1].register_forward_hook(post_last))
+    for module in model.modules():
+        if module is not model and id(module) not in layer_of:
+            handles.append(module.register_forward_pre_hook(use))
+
+    params = {id(p): p for p in model.parameters()}
+    try:
+        with mode, fsdp_storage_resizes(tracker), tracker:
+            for t in [*params.values(), *model.buffers(), *inputs.values()]:
+                tracker.track(t)
+            start = tracker.current
+            tracker.reset_peak()
+            with _autocast(key):
+                # the model's loss: the loop keeps only the loss (the logits go); the
+                # pipeline's: its last stage keeps every micro-batch's output
+                out = model(**inputs, **no_cache_kwargs(model))
+                result: dict[str, Any] = {} if key.loss == "model" else {"out": out}
+                if key.loss == "model":
+                    result["loss"] = out.loss
+                else:
+                    logits = out.logits if hasattr(out, "logits") else _first_tensor(out)
+                    result["loss"] = next_token_loss(logits, inputs["input_ids"])
+                    del logits
+                del out
+            mark("H.f")
+            state["part"] = "H"
+            result["loss"].backward()
+            mark("E.b")
+            before = tracker.current
+            result.clear()
+            leftover = before - tracker.current
+    finally:
+        for h in handles:
+            h.remove()
+    parts = ["E", *[f"L{i}" for i in range(depth)], "H"]
+    part_params: dict[str, int] = {p: 0 for p in parts}
+    part_grads: dict[str, int] = {p: 0 for p in parts}
+    largest: dict[str, int] = {p: 0 for p in parts}
+    count: dict[str, int] = {p: 0 for p in parts}
+    owners: dict[int, set[str]] = {}
+    for module in model.modules():
+        parts_of = {layer_of[id(module)]} if id(module) in layer_of else \
+            module_parts.get(id(module), set())
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).update(parts_of)
+    shared = 0
+    for pid, p in params.items():
+        used = owners.get(pid) or {"E"}
+        size = _nbytes(p)
+        grad = _nbytes(p.grad) if p.grad is not None else 0
+        if {"E", "H"} <= used:
+            shared += size
+        for part in used:
+            part_params[part] += size
+            part_grads[part] += grad
+            largest[part] = max(largest[part], size)
+            count[part] += 1
+    expected = ["E.f", *[f"L{i}.f" for i in range(depth)], "H.f", "H.b",
+                *[f"L{i}.b" for i in reversed(range(depth))], "E.b"]
+    missing = [s for s in expected if s not in segments]
+    if missing:
+        raise PlanError(
+            f"the step of {spec.name} did not pass the layer boundaries the planner marks "
+            f"({', '.join(missing)} missing)", primitive=_PRIMITIVE,
+            values={"model": spec.name, "missing": missing},
+            fix="plan a model whose layers take the hidden states as their first input "
+            "and return them first")
+    ordered = {name: segments[name] for name in expected}
+    layer_buffers = sum(_nbytes(b) for b in layers[depth - 2].buffers())
+    buffers = sum(_nbytes(b) for b in model.buffers()) - depth * layer_buffers
+    in_bytes = sum(_nbytes(t) for t in inputs.values())
+    return Units(key, ordered, part_params, shared, part_grads, largest, count,
+                 {"E": buffers, "L": layer_buffers}, in_bytes, start, tracker.flops,
+                 leftover)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """What a pipeline sends over one stage boundary per micro-batch.
+
+    Attributes:
+        first: from the first stage (after the embedding and its layers): (shape, dtype,
+            whether a gradient is sent back for it) per tensor.
+        middle: over a boundary between two later stages.
+    """
+
+    first: tuple[tuple[tuple[int, ...], str, bool], ...]
+    middle: tuple[tuple[tuple[int, ...], str, bool], ...]
+
+    @staticmethod
+    def _bytes(items: tuple[tuple[tuple[int, ...], str, bool], ...], floats: bool) -> int:
+        total = 0
+        for shape, dtype, is_float in items:
+            if floats and not is_float:
+                continue
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return total
+
+    def forward_bytes(self, boundary: int) -> int:
+        """Bytes sent forward over boundary ``boundary`` (0: after the first stage)."""
+        return self._bytes(self.first if boundary == 0 else self.middle, False)
+
+    def backward_bytes(self, boundary: int) -> int:
+        """Bytes of the gradients sent back over it (for the tensors that need one)."""
+        return self._bytes(self.first if boundary == 0 else self.middle, True)
+
+
+def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) -> Crossing:
+    """The tensors that cross a stage boundary (see :class:`Crossing`): a 3-layer model
+    on meta, scheduled like the measurement, traced to its layers, cut after layers 0 and
+    1 and split on fake values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..parallel import init_mesh
+    from ..pipeline import split_stages
+    from ..schedule import create_schedule
+
+    with fake_world(key.tp):
+        mesh = init_mesh(tp=key.tp, device_type="cpu")
+        model = spec.build(depth=3, dtype=DTYPES[key.param_dtype])
+        sch = create_schedule(model, group=mesh["tp"].get_group() if key.tp > 1 else None)
+        knobs: dict[str, Any] = {}
+        if key.tp > 1:
+            knobs["tp"] = True
+        if key.sp:
+            knobs["sequence_parallel"] = True
+        apply_knobs(sch, spec, knobs, schedule)
+        example = {"input_ids": torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)}
+        sch.trace_until(f"{spec.layers}.*", example_inputs=example)
+        sch[f"{spec.layers}.0"].cut_pipeline_stage()
+        sch[f"{spec.layers}.1"].cut_pipeline_stage()
+        stages = split_stages(sch, (example["input_ids"],))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        for stage in stages.modules:
+            _fake_params(stage, mode)
+        with mode:
+            ids = torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)
+            first = stages.modules[0](ids)
+            # what the next stage receives: a leaf that needs a gradient where the sent
+            # tensor needs one (the runtime sizes its buffers from the sent tensors)
+            received = [t.detach().requires_grad_(t.requires_grad) for t in first]
+            second = stages.modules[1](*received)
+
+    def describe(values: Any) -> tuple[tuple[tuple[int, ...], str, bool], ...]:
+        # (shape, dtype, whether a gradient comes back for it)
+        return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                      bool(t.requires_grad)) for t in values if isinstance(t, torch.Tensor))
+
+    return Crossing(describe(first), describe(second))
+
+
+# --------------------------------------------------------------------------- batch sizes
+
+
+def extrapolate(one: Units, two: Units, micro_batch: int) -> Units | None:
+    """The measurement at ``micro_batch`` sequences from those at one and two (every
+    quantity affine in the batch, operator by operator); None when the two steps did not
+    run the same operators (then measure it)."""
+    import dataclasses
+
+    t = micro_batch - 1
+
+    def lin(a: int, b: int) -> int:
+        return a + t * (b - a)
+
+    segments: dict[str, SegmentCost] = {}
+    for name, s1 in one.segments.items():
+        s2 = two.segments.get(name)
+        if s2 is None or len(s1.matmuls) != len(s2.matmuls) or \
+                [(c.kind, c.group) for c in s1.collectives] != \
+                [(c.kind, c.group) for c in s2.collectives]:
+            return None
+        matmuls = [(lin(f1, f2), lin(b1, b2), d1)
+                   for (f1, b1, d1), (f2, b2, _) in zip(s1.matmuls, s2.matmuls)]
+        colls = [Collective(c1.kind, lin(c1.bytes, c2.bytes), c1.group, c1.size)
+                 for c1, c2 in zip(s1.collectives, s2.collectives)]
+        segments[name] = SegmentCost(name, lin(s1.start, s2.start), lin(s1.delta, s2.delta),
+                                     lin(s1.rise, s2.rise), lin(s1.flops, s2.flops), matmuls,
+                                     lin(s1.other_bytes, s2.other_bytes), colls)
+    key = dataclasses.replace(one.key, micro_batch=micro_batch)
+    return Units(key, segments, one.params, one.shared, one.grads, one.largest,
+                 one.param_tensors, one.buffers, lin(one.inputs, two.inputs),
+                 lin(one.start, two.start), lin(one.flops_total, two.flops_total),
+                 lin(one.leftover, two.leftover), {"extrapolated_from": (1, 2)})
