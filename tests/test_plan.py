@@ -303,3 +303,26 @@ def test_llama2_70b_on_64_h100s_is_planned_from_its_config(tmp_path):
         lowest = 6 * n * tokens + 3.5 * attention
         highest = (6 + 2 * ratio) * n * tokens + (3.5 + ratio) * attention
         assert lowest <= r["flops_per_step"] <= highest, (r["layout"], lowest, highest)
+
+
+def test_tune_layouts_chooses_by_measurement_not_by_prediction():
+    from torchloom.tune import TuneError, tune_layouts
+
+    calls = []
+
+    def measure(layouts):  # a stand-in run: the plan's second choice is the fastest
+        calls.append(layouts)
+        return [{"tokens_per_s": 100.0 if len(calls) == 2 else 50.0, "peak": 1}]
+
+    result = tune_layouts("llama", 2, "h100-80gb", batch_size=4, seq_len=SEQ,
+                          ckpt_ratios=(0.0,), micro_batches=(2,), measure_top=2,
+                          measure=measure)
+    assert len(calls) == 2 and [t.layout for t in result.measured] == [c[0] for c in calls]
+    assert result.best is result.measured[1]
+    assert result.measured[0].predicted_tokens_per_s >= result.measured[1].predicted_tokens_per_s
+    with pytest.raises(TuneError, match=r"(?s)no layout of 2 devices fits 0\.0 MiB per device "
+                                        r"by prediction.*fix: a larger budget_bytes"):
+        tune_layouts("llama", 2, batch_size=4, seq_len=SEQ, budget_bytes=1000,
+                     ckpt_ratios=(0.0,), micro_batches=(2,), measure=measure)
+    with pytest.raises(TuneError, match=r"measure_top=0: at least one layout must be measured"):
+        tune_layouts("llama", 2, batch_size=4, seq_len=SEQ, measure_top=0, measure=measure)

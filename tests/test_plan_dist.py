@@ -56,3 +56,50 @@ def test_four_ranks_composed_layouts():
                          pipeline_schedule="GPipe")),
         ("llama", Layout(pp=2, dp=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
     ])
+
+
+def test_tune_layouts_measures_the_best_predicted_and_never_runs_over_budget():
+    # the layouts of 2 ranks for a tiny Llama; a budget at the median predicted peak
+    from torchloom.plan import search
+    from torchloom.tune import tune_layouts
+
+    # fp32 layouts: the local measurement runs no autocast
+    space = {"ckpt_ratios": (0.0, 1.0), "micro_batches": (1, 2), "mixed_precision": None}
+    found = search("llama", 2, "h100-80gb", batch_size=4, seq_len=SEQ, **space)
+    peaks = sorted(p.peak for p in found.ranked)
+    budget = peaks[len(peaks) // 2]
+    result = tune_layouts("llama", 2, "h100-80gb", batch_size=4, seq_len=SEQ,
+                          budget_bytes=budget, measure_top=2, **space)
+    pruned = [t for t in result.trials if t.status == "pruned"]
+    assert pruned and all(t.predicted_peak > budget for t in pruned)
+    fitting = sorted((p for p in found.ranked if p.peak <= budget),
+                     key=lambda p: -p.tokens_per_s)
+    assert [t.layout for t in result.measured] == [p.layout for p in fitting[:2]]
+    for t in result.measured:
+        assert t.measured_tokens_per_s > 0
+        # the plan's peak is within 10% of the run's (tests above), so nothing measured
+        # runs far over the budget
+        assert abs(t.measured_peak - t.predicted_peak) <= 0.1 * t.measured_peak
+    assert result.best is max(result.measured, key=lambda t: t.measured_tokens_per_s)
+    assert {t.status for t in result.trials} <= {"ok", "pruned", "not measured", "refused"}
+
+
+def test_plan_cli_measure_top_trains_the_best_predicted_layout(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from torchloom.plan.cli import app
+
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["llama", "--gpus", "2", "--dtype", "fp32", "--seq-len",
+                                      str(SEQ), "--batch-size", "4", "--ckpt-ratio", "0",
+                                      "--micro-batch", "2", "--measure-top", "1", "--json",
+                                      str(out)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert "measured on 2 local gloo ranks (fp32)" in result.output
+    data = json.loads(out.read_text())
+    (row,) = data["measured"]
+    best = next(r for r in data["ranked"] if r["fits"])
+    assert row["chosen"] and row["layout"] == best["layout"]
+    assert row["measured_tokens_per_s"] > 0 and row["measured_peak"] > 0

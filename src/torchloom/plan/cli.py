@@ -344,6 +344,10 @@ def plan_command(
                               "has it, else fp16 (fp32 on a CPU)."),
     optimizer: str = typer.Option("adamw", help="adamw, adam, sgd-momentum or sgd."),
     top: int = typer.Option(5, min=1, help="Layouts printed by a search."),
+    measure_top: int = typer.Option(0, "--measure-top", min=0, help="After a search, train "
+                                    "the N best predicted layouts that fit for a few steps "
+                                    "on local gloo ranks (a zoo model, fp32: use with "
+                                    "--measure) and choose by measurement."),
     json_path: str = typer.Option(None, "--json", help="Write the predictions as JSON here "
                                   "('-' for standard output)."),
     plot: str = typer.Option(None, help="Write a PNG here."),
@@ -429,7 +433,10 @@ def plan_command(
                           + (result.ranked[0].layout.describe() if result.ranked else "none")
                           + "; try more GPUs, --ckpt-ratio 1, a smaller --batch-size or a "
                           "larger device")
+        measured = _measure_top(model, size, gpus, profile, batch, seq_len, measure_top,
+                                space, console) if measure_top else None
         payload = {"model": spec.name, "gpus": gpus, "profile": profile.name,
+                   "measured": measured,
                    "batch_size": batch, "seq_len": seq_len, "seconds": result.seconds,
                    "ranked": [p.to_dict() for p in result.ranked[:max(top, 20)]],
                    "predicted": len(result.ranked),
@@ -447,6 +454,38 @@ def plan_command(
             with open(json_path, "w") as fh:
                 fh.write(text)
             console.print(f"wrote {json_path}")
+
+
+def _measure_top(model: str, size: str, gpus: int, profile: Profile, batch: int,
+                 seq_len: int, count: int, space: dict[str, Any],
+                 console: Console) -> list[dict[str, Any]]:
+    """``--measure-top``: :func:`torchloom.tune.tune_layouts` on local ranks; a table of
+    the measured layouts, the chosen one marked."""
+    from ..tune import tune_layouts
+
+    with console.status(f"training the {count} best predicted layouts on {gpus} local "
+                        "ranks..."):
+        tuned = tune_layouts(model, gpus, profile, batch_size=batch, seq_len=seq_len,
+                             measure_top=count, size=size, **space)
+    table = Table(title=f"measured on {gpus} local gloo ranks (fp32)")
+    for column in ("layout", "predicted tok/s", "measured tok/s", "predicted peak",
+                   "measured peak", "chosen"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    rows = []
+    for t in tuned.measured:
+        chosen = t is tuned.best
+        table.add_row(t.layout.describe(), f"{t.predicted_tokens_per_s:,.0f}",
+                      f"{t.measured_tokens_per_s:,.0f}", _gib(t.predicted_peak or 0),
+                      _gib(t.measured_peak or 0), "yes" if chosen else "")
+        rows.append({"layout": t.layout.to_dict(), "predicted_tokens_per_s":
+                     t.predicted_tokens_per_s, "measured_tokens_per_s": t.measured_tokens_per_s,
+                     "predicted_peak": t.predicted_peak, "measured_peak": t.measured_peak,
+                     "chosen": chosen})
+    console.print(table)
+    for t in tuned.trials:
+        if t.status == "failed":
+            console.print(f"[red]failed[/]: {t.layout.describe()}: {escape(t.reason or '')}")
+    return rows
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,

@@ -18,7 +18,10 @@ The pieces, each usable alone:
   :class:`TuneDatabaseError`;
 * :class:`Tuner` / :func:`tune`: ties them together; a candidate is the recipe a schedule
   function records at a point (:mod:`~torchloom.tune.tuner`);
-* :func:`plot_space` and :func:`torchloom.tune.cli.tune_command` for output.
+* :func:`plot_space` and :func:`torchloom.tune.cli.tune_command` for output;
+* :func:`tune_layouts`: tensor, sequence, pipeline and data parallelism, checkpoint ratio
+  and micro-batch on N devices, pruned and ordered by :mod:`torchloom.plan`, the best few
+  measured (:mod:`~torchloom.tune.layouts`).
 
 >>> from torchloom.tune import Space
 >>> space = Space()
@@ -34,6 +37,7 @@ from .database import Database, TrialRecord
 from .errors import TuneDatabaseError, TuneError
 from .evaluate import Evaluator, Result, TrainEvaluator
 from .fingerprint import study_fingerprint
+from .layouts import LayoutTrial, LayoutTuneResult, measure_on_local_ranks, tune_layouts
 from .memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
 from .plot import plot_space
 from .space import Space, Symbol, point_key
@@ -46,6 +50,8 @@ __all__ = [
     "Database",
     "Evaluator",
     "Exhaustive",
+    "LayoutTrial",
+    "LayoutTuneResult",
     "LiveBytes",
     "MemoryEstimate",
     "ModelBased",
@@ -61,9 +67,11 @@ __all__ = [
     "Tuner",
     "count_saved",
     "make_strategy",
+    "measure_on_local_ranks",
     "plot_space",
     "point_key",
     "state_bytes",
     "study_fingerprint",
     "tune",
+    "tune_layouts",
 ]

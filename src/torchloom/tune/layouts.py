@@ -1,0 +1,214 @@
+"""Tuning the layout: tensor, sequence, pipeline and data parallelism, the checkpoint ratio
+and the micro-batch of a model on N devices, chosen by measurement among the candidates
+the planner ranks first.
+
+:func:`tune_layouts`
+
+1. enumerates every layout the model can take on ``gpus`` devices for the global batch
+   (:func:`torchloom.plan.enumerate_layouts`: the dependent space, where the pipeline
+   degrees depend on the tensor-parallel one, the data-parallel degree on both, sequence
+   parallelism on tensor parallelism, the micro-batch sizes on the local batch, and the
+   heads, KV heads, layers and batch must divide);
+2. predicts each one on fake tensors (:func:`torchloom.plan.search`) and prunes every
+   layout whose predicted peak on its busiest rank is over the budget, before anything
+   runs: no trial is ever over the budget by prediction;
+3. orders the rest by predicted throughput and measures only the first ``measure_top``
+   with real training steps (by default :func:`measure_on_local_ranks`: ``gpus`` gloo
+   ranks of this machine, the model built, scheduled and wrapped for the layout as
+   ``torchloom train`` does it, ``warmup`` steps then ``timed`` timed ones);
+4. returns every layout with its prediction and, for the measured ones, the measured
+   tokens/s and per-rank peak; :attr:`LayoutTuneResult.best` is the fastest measured.
+
+Measurement decides, the plan only orders and prunes: a plan whose step times rank two
+layouts wrongly costs a measurement, never a wrong choice among those measured.
+
+Knobs it does not search (yet): ``compile`` and the attention kernel (the planner does not
+model them; :func:`torchloom.bench.run_bench` chooses compilation by measurement at a
+world of one).
+
+>>> from torchloom.plan import Layout
+>>> r = LayoutTrial(Layout(tp=2), predicted_tokens_per_s=10.0, predicted_peak=5, status="ok",
+...                 measured_tokens_per_s=8.0, measured_peak=6)
+>>> LayoutTuneResult([r], budget_bytes=10).best is r
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import TuneError
+
+if TYPE_CHECKING:  # torchloom.plan imports torchloom.tune.memory: imported on use here
+    from ..plan import Layout, Prediction, Profile
+
+__all__ = ["LayoutTrial", "LayoutTuneResult", "measure_on_local_ranks", "tune_layouts"]
+
+Measure = Callable[[list["Layout"]], list[dict[str, Any]]]
+
+
+@dataclass
+class LayoutTrial:
+    """One layout of a tuning run.
+
+    Attributes:
+        layout: the layout.
+        predicted_tokens_per_s, predicted_peak: the plan's figures (peak bytes of the
+            busiest rank).
+        status: ``"pruned"`` (predicted over the budget: never run), ``"refused"`` (the
+            model cannot take it), ``"not measured"`` (fits, ranked below
+            ``measure_top``), ``"ok"`` (measured) or ``"failed"`` (the run raised).
+        measured_tokens_per_s, measured_peak: what the run measured (``"ok"`` only).
+        reason: why it was pruned, refused or failed.
+    """
+
+    layout: Layout
+    predicted_tokens_per_s: float | None = None
+    predicted_peak: int | None = None
+    status: str = "not measured"
+    measured_tokens_per_s: float | None = None
+    measured_peak: int | None = None
+    reason: str | None = None
+
+
+@dataclass
+class LayoutTuneResult:
+    """Every layout of a run (measured ones first, in the order they were measured)."""
+
+    trials: list[LayoutTrial]
+    budget_bytes: int
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def measured(self) -> list[LayoutTrial]:
+        return [t for t in self.trials if t.status == "ok"]
+
+    @property
+    def best(self) -> LayoutTrial | None:
+        """The measured layout with the most tokens/s (None when none ran)."""
+        return max(self.measured, key=lambda t: t.measured_tokens_per_s or 0.0, default=None)
+
+    @property
+    def over_budget(self) -> list[LayoutTrial]:
+        """Measured layouts whose measured peak exceeded the budget (the plan under-
+        predicted them)."""
+        return [t for t in self.measured if (t.measured_peak or 0) > self.budget_bytes]
+
+
+def measure_on_local_ranks(model: str, *, batch_size: int, size: str = "tiny",
+                           warmup: int = 1, timed: int = 3, timeout_s: float = 300.0,
+                           ) -> Measure:
+    """A measurement for :func:`tune_layouts`: each layout trained on ``layout.world``
+    gloo ranks of this machine in fp32 (one launch per call;
+    :func:`torchloom.plan.validate.measure_many`), returning per layout ``tokens_per_s`` (the global batch over the
+    median of the slowest rank's timed steps) and ``peak`` (the largest rank's peak of
+    live storages). ``model`` is a zoo name."""
+    def measure(layouts: list[Layout]) -> list[dict[str, Any]]:
+        from ..launch import raise_first_failure, run_ranks
+        from ..plan.validate import measure_many
+
+        if not layouts:
+            return []
+        mixed = sorted({str(lay.mixed_precision) for lay in layouts if lay.mixed_precision})
+        if mixed:
+            raise TuneError(
+                f"the local measurement runs fp32 steps, and the layouts ask for {mixed[0]} "
+                "autocast", primitive="tune_layouts", values={"mixed_precision": mixed},
+                fix="tune_layouts(..., mixed_precision=None), or pass measure= a function "
+                "that runs the layouts on their devices")
+        worlds = {lay.world for lay in layouts}
+        if len(worlds) != 1:
+            raise TuneError("the layouts to measure have different world sizes",
+                            primitive="tune_layouts", values={"worlds": sorted(worlds)},
+                            fix="measure layouts of one number of devices at a time")
+        configs = [{"model": model, "size": size, "layout": lay.to_dict(), "warmup": warmup,
+                    "timed": timed} for lay in layouts]
+        per_rank = run_ranks(measure_many, worlds.pop(), configs, timeout_s=timeout_s)
+        raise_first_failure(per_rank, command="tune_layouts")
+        out = []
+        for i, _ in enumerate(layouts):
+            runs = [ranks[i] for ranks in per_rank]
+            steps = [max(r["step_s"][k] for r in runs) for k in range(timed)]
+            out.append({"tokens_per_s": batch_size * layouts[i].seq_len
+                        / statistics.median(steps),
+                        "peak": max(r["peak"] for r in runs)})
+        return out
+
+    return measure
+
+
+def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
+                 batch_size: int, seq_len: int, budget_bytes: int | None = None,
+                 measure_top: int = 3, measure: Measure | None = None, size: str = "tiny",
+                 **space: Any) -> LayoutTuneResult:
+    """Choose the layout of ``model`` on ``gpus`` devices (see the module docstring).
+
+    Args:
+        model: a zoo name, a config path, a model class or a ``ModelSpec`` (the
+            planner's); the default measurement needs a zoo name.
+        profile: the device the plan predicts for (``measure_local()`` for this machine).
+        budget_bytes: memory per device; default the profile's usable memory.
+        measure_top: how many of the best-predicted layouts that fit run for real.
+        measure: ``fn(layouts) -> [{"tokens_per_s", "peak"}]``; default
+            :func:`measure_on_local_ranks` of ``model``.
+        space: keyword arguments of :func:`torchloom.plan.enumerate_layouts` (fixed
+            degrees, ``dp_mode``, ``ckpt_ratios``, ``micro_batches``, dtypes).
+
+    Raises:
+        TuneError: ``measure_top`` below 1, or no layout fits the budget.
+        PlanError: what the planner refuses (a batch no layout takes, an unknown model).
+    """
+    from ..plan import PlanError, get_profile, search
+
+    if measure_top < 1:
+        raise TuneError(f"measure_top={measure_top}: at least one layout must be measured",
+                        primitive="tune_layouts", values={"measure_top": measure_top},
+                        fix="measure_top=3")
+    prof = get_profile(profile)
+    if budget_bytes is not None:
+        # the planner's fit is against the profile's usable memory: make that the budget
+        prof = dataclasses.replace(prof, memory_bytes=budget_bytes, usable_memory=1.0)
+    found = search(model, gpus, prof, batch_size=batch_size, seq_len=seq_len, size=size,
+                   **space)
+    budget = prof.budget
+    trials: list[LayoutTrial] = []
+    fitting: list[Prediction] = [p for p in found.ranked if p.fits]
+    for lay, why in found.rejected:
+        status = "pruned" if "alone need" in why else "refused"
+        trials.append(LayoutTrial(lay, status=status, reason=why))
+    for p in found.ranked:
+        if not p.fits:
+            trials.append(LayoutTrial(p.layout, p.tokens_per_s, p.peak, "pruned",
+                                      reason=f"predicted peak {p.peak / 2**20:,.1f} MiB > "
+                                             f"budget {budget / 2**20:,.1f} MiB"))
+    if not fitting:
+        raise TuneError(
+            f"no layout of {gpus} devices fits {budget / 2**20:,.1f} MiB per device by "
+            "prediction", primitive="tune_layouts",
+            values={"gpus": gpus, "budget_bytes": budget, "predicted": len(found.ranked),
+                    "smallest_peak": min((p.peak for p in found.ranked), default=None)},
+            fix="a larger budget_bytes, more devices, a smaller batch_size or seq_len, or "
+                "ckpt_ratios=(1.0,)")
+    chosen = fitting[:measure_top]
+    run = measure or measure_on_local_ranks(model, batch_size=batch_size, size=size)
+    measured: list[LayoutTrial] = []
+    for p in chosen:
+        trial = LayoutTrial(p.layout, p.tokens_per_s, p.peak)
+        try:
+            (figures,) = run([p.layout])
+        except (PlanError, TuneError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed run is a failed trial
+            trial.status, trial.reason = "failed", f"{type(exc).__name__}: {exc}"
+        else:
+            trial.status = "ok"
+            trial.measured_tokens_per_s = float(figures["tokens_per_s"])
+            trial.measured_peak = int(figures["peak"])
+        measured.append(trial)
+    rest = [LayoutTrial(p.layout, p.tokens_per_s, p.peak) for p in fitting[measure_top:]]
+    return LayoutTuneResult([*measured, *rest, *trials], budget, found.seconds)
