@@ -153,7 +153,7 @@ for name in models:
         rows.append(r)
         if r["variant"] == "torchloom":
             batches = " / ".join(f"{k}: {v}" for k, v in r.get("ckpt_batches", {}).items())
-            sweep = ", ".join(f"ratio {s['ckpt_ratio']:g} at batch {s['batch_size']}: "
+            sweep = ", ".join(f"{s.get('compile_scope', 'layers')} compiled, ratio {s['ckpt_ratio']:g} at batch {s['batch_size']}: "
                               f"{s['tokens_per_s']:,.0f} tok/s" for s in r.get("ckpt_sweep", []))
             notes.append(f"{name}: batch by checkpoint ratio {batches}" + (f"; timed: {sweep}" if sweep else ""))
 print()

@@ -9,7 +9,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from torchloom.bench import VARIANTS, BenchConfig, _candidates, _Fit, _sweep, largest_batch, run_bench
+from torchloom.bench import (
+    VARIANTS,
+    BenchConfig,
+    _candidates,
+    _Choice,
+    _choices,
+    _Fit,
+    _sweep,
+    largest_batch,
+    run_bench,
+)
 from torchloom.cli import app
 from torchloom.errors import ScheduleError
 
@@ -24,7 +34,7 @@ def test_bench_tiny_gpt2_json_and_plot(tmp_path):
         result = CliRunner().invoke(app, [
             "bench", "--models", "gpt2", "--size", "tiny", "--steps", "2", "--budget-mb", "2",
             "--compile-backend", "aot_eager", "--threads", "1", "--no-schedule-compile",
-            "--json", str(out), "--plot", str(png),
+            "--sweep-steps", "0", "--json", str(out), "--plot", str(png),
         ])
     finally:
         torch.set_num_threads(threads)
@@ -51,7 +61,8 @@ def test_bench_tiny_gpt2_json_and_plot(tmp_path):
     assert by["compile"]["compile_s"] > 0
     # Plain layers: the least ratio that doubles eager's batch (no sweep by default).
     assert by["torchloom"]["schedule"] == {"ckpt_ratio": by["torchloom"]["ckpt_ratio"],
-                                           "compile": False}
+                                           "compile": False, "compile_scope": "none",
+                                           "chosen_by": "default"}
     assert "compile_s" not in by["torchloom"] and by["torchloom"]["ckpt_sweep"] == []
     batches = by["torchloom"]["ckpt_batches"]
     assert batches["0"] < by["torchloom"]["batch_size"] == batches[
@@ -105,21 +116,60 @@ def test_candidates_are_no_checkpointing_and_the_least_doubling_ratio():
     assert [(f.ratio, f.batch) for f in _candidates(eager, fits, cfg)] == [(0.75, 6)]
 
 
+def test_the_measured_choice_includes_the_baselines_equivalents():
+    eager = _fit(0.0, 2)
+    fits = [_fit(0.0, 3), _fit(0.5, 4), _fit(1.0, 9)]
+    assert _choices(eager, fits, BenchConfig(sweep_steps=2)) == [
+        _Choice("layers", 0.0, 3), _Choice("layers", 0.5, 4), _Choice("none", 0.0, 2),
+        _Choice("whole", 0.0, 2)]
+    # not measured: only the schedule's own candidates; no compilation: nothing compiled
+    assert _choices(eager, fits, BenchConfig(sweep_steps=0)) == [
+        _Choice("layers", 0.0, 3), _Choice("layers", 0.5, 4)]
+    assert _choices(eager, fits, BenchConfig(schedule_compile=False)) == [
+        _Choice("none", 0.0, 3), _Choice("none", 0.5, 4), _Choice("none", 0.0, 2)]
+    # a given ratio is not chosen
+    fits = [_fit(0.0, 3), _fit(0.75, 6)]
+    assert _choices(eager, fits, BenchConfig(ckpt_ratio=0.75)) == [_Choice("layers", 0.75, 6)]
+
+
 def test_sweep_times_every_candidate():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = BenchConfig(models=["gpt2"], size="tiny", schedule_compile=False, sweep_steps=1)
+        cfg = BenchConfig(models=["gpt2"], size="tiny", compile_backend="aot_eager",
+                          sweep_steps=2)
         lines: list[str] = []
-        out = _sweep("gpt2", cfg, [_fit(0.0, 1), _fit(1.0, 2)], torch.device("cpu"),
-                     lines.append)
+        choices = [_Choice("none", 0.0, 1), _Choice("none", 1.0, 2), _Choice("whole", 0.0, 1)]
+        out = _sweep("gpt2", cfg, choices, torch.device("cpu"), lines.append)
     finally:
         torch.set_num_threads(threads)
-    assert [(f.ratio, f.batch) for f, _ in out] == [(0.0, 1), (1.0, 2)]
+    assert [c for c, _ in out] == choices
     assert all(tps > 0 for _, tps in out)
-    assert lines[1].startswith("gpt2: schedule with ckpt ratio 1, batch 2: ")
-    assert _sweep("gpt2", BenchConfig(sweep_steps=0), [_fit(0.0, 1), _fit(1.0, 2)],
-                  torch.device("cpu"), lines.append) == []
+    assert lines[1] == f"gpt2: schedule candidate (nothing compiled, ckpt ratio 1, batch 2): " \
+                       f"{out[1][1]:,.0f} tokens/s"
+    assert _sweep("gpt2", BenchConfig(sweep_steps=0), choices, torch.device("cpu"),
+                  lines.append) == []
+
+
+def test_the_schedule_row_is_the_fastest_measured_candidate():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lines: list[str] = []
+        rows = run_bench(BenchConfig(models=["gpt2"], size="tiny", steps=1,
+                                     budget_bytes=2 * 2**20, compile_backend="aot_eager",
+                                     sweep_steps=1, variants=("eager", "torchloom")),
+                         log=lines.append)
+    finally:
+        torch.set_num_threads(threads)
+    sched = rows[1]
+    sweep = sched["ckpt_sweep"]
+    assert {c["compile_scope"] for c in sweep} == {"layers", "none", "whole"}
+    best = max(sweep, key=lambda c: c["tokens_per_s"])
+    assert sched["schedule"]["chosen_by"] == "measurement"
+    assert (sched["schedule"]["compile_scope"], sched["ckpt_ratio"], sched["batch_size"]) == (
+        best["compile_scope"], best["ckpt_ratio"], best["batch_size"])
+    assert any(line.startswith("gpt2: chosen by measurement: ") for line in lines)
 
 
 def test_compiled_layers_run_without_checkpoints_by_default():
@@ -128,10 +178,11 @@ def test_compiled_layers_run_without_checkpoints_by_default():
     try:
         rows = run_bench(BenchConfig(models=["gpt2"], size="tiny", steps=1,
                                      budget_bytes=2 * 2**20, compile_backend="aot_eager",
-                                     variants=("eager", "torchloom")))
+                                     sweep_steps=0, variants=("eager", "torchloom")))
     finally:
         torch.set_num_threads(threads)
     sched = rows[1]
-    assert sched["schedule"] == {"ckpt_ratio": 0.0, "compile": "aot_eager"}
+    assert sched["schedule"] == {"ckpt_ratio": 0.0, "compile": "aot_eager",
+                                 "compile_scope": "layers", "chosen_by": "default"}
     assert sched["compile_s"] > 0 and sched["fits_budget"]
     assert sched["batch_size"] == sched["ckpt_batches"]["0"]

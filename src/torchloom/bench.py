@@ -15,14 +15,20 @@ larger batch (compiled layers save fewer activations, checkpointed ones only the
 inputs). The batch of each variant is the largest (up to ``max_batch``) whose peak
 saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
 schedule gets its own; the batch every checkpoint ratio ``k / layers`` (or the size's
-grid, ``ModelSize.ckpt_ratios``) would get is in the results (``ckpt_batches``). The
-schedule's ratio (``ckpt_ratio=None``): with ``sweep_steps > 0`` two candidates, no
-checkpointing and the smallest ratio whose batch is at least twice eager's, each run for ``sweep_steps`` steps at its batch, and the one with
-more tokens/s wins (the sweep is in the results, ``ckpt_sweep``); with ``sweep_steps=0``
-(the default, to keep the run short) no checkpointing when the layers are compiled, else
-the doubling ratio. Recomputing costs about a third of a layer's work, so it pays where a
-larger batch runs faster (GPUs) and not where the matmuls are already saturated at the
-smaller batch (these CPUs).
+grid, ``ModelSize.ckpt_ratios``) would get is in the results (``ckpt_batches``).
+
+The schedule is chosen by measurement (``ckpt_ratio=None`` and ``sweep_steps > 0``, the
+default): the candidates are the built-in schedule with compiled layers and no
+checkpointing, the same with the least checkpoint ratio whose batch is at least twice
+eager's, and, so that the choice can never be worse than a baseline it could have been, the
+schedule that applies nothing (eager's code) and the one that compiles the whole model
+(``sch.compile()`` on the root), both at eager's batch. Each candidate is built and warmed
+up (compiled), then all run ``sweep_steps`` interleaved rounds in a rotating order; the one
+with the most tokens/s (median) is the schedule row, and every candidate's figure is in the
+results (``ckpt_sweep``) and printed. With ``sweep_steps=0`` nothing is measured: compiled
+layers without checkpointing, or with plain layers the doubling ratio. Recomputing costs
+about a third of a layer's work, so checkpointing pays where a larger batch runs faster
+(GPUs) and not where the matmuls are already saturated at the smaller batch (these CPUs).
 
 Activation bytes are exact: a :func:`torch.autograd.graph.saved_tensors_hooks` pack hook
 (:func:`torchloom.tune.memory.count_saved`) adds up the distinct storages autograd saves,
@@ -149,9 +155,10 @@ class BenchConfig:
         variants: which variants to run.
         schedule_compile: the schedule also compiles each transformer layer in place
             (``apply_schedule(..., compile=compile_backend)``).
-        sweep_steps: timed steps per candidate when the checkpoint ratio is chosen by
-            measuring (``ckpt_ratio=None``); 0 does not measure: no checkpointing with
-            compiled layers, else the least ratio that doubles eager's batch.
+        sweep_steps: interleaved timed rounds of the schedule's candidates when the
+            schedule is chosen by measuring (``ckpt_ratio=None``); 0 does not measure: no
+            checkpointing with compiled layers, else the least ratio that doubles eager's
+            batch.
     """
 
     models: Sequence[str] = ("gpt2", "bert")
@@ -165,7 +172,7 @@ class BenchConfig:
     seed: int = 0
     variants: Sequence[str] = VARIANTS
     schedule_compile: bool = True
-    sweep_steps: int = 0
+    sweep_steps: int = 3
 
 
 def largest_batch(bytes_at: Callable[[int], float], budget: float, max_batch: int) -> int:
@@ -245,13 +252,26 @@ def _layers(model: nn.Module, name: str) -> list[nn.Module]:
     return [layer for path in zoo.layer_paths(name) for layer in model.get_submodule(path)]
 
 
-def _scheduled(name: str, size: str, cfg: BenchConfig, ratio: float) -> nn.Module:
+SCOPES = ("layers", "none", "whole")
+"""What a schedule candidate compiles: each transformer layer in place, nothing, or the
+whole model (the ``compile`` primitive on the root)."""
+
+
+def _default_scope(cfg: BenchConfig) -> str:
+    return "layers" if cfg.schedule_compile else "none"
+
+
+def _scheduled(name: str, size: str, cfg: BenchConfig, ratio: float,
+               scope: str | None = None) -> nn.Module:
     model = _make(name, size, cfg.seed, cfg.device)
     sch = create_schedule(model)
+    scope = scope or _default_scope(cfg)
     knobs: dict[str, Any] = {"ckpt_ratio": ratio}
-    if cfg.schedule_compile:
+    if scope == "layers":
         knobs["compile"] = cfg.compile_backend
     models.apply_schedule(sch, **knobs)
+    if scope == "whole":
+        sch.compile(backend=cfg.compile_backend)
     built, _ = build(sch)
     return built
 
@@ -401,6 +421,35 @@ def _candidates(eager: _Fit, fits: list[_Fit], cfg: BenchConfig) -> list[_Fit]:
     return out or fits[:1]
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """A schedule candidate: what it compiles (:data:`SCOPES`), its checkpoint ratio and
+    the batch it runs."""
+
+    scope: str
+    ratio: float
+    batch: int
+
+    def describe(self) -> str:
+        what = {"layers": "layers compiled", "none": "nothing compiled",
+                "whole": "whole model compiled"}[self.scope]
+        return f"{what}, ckpt ratio {self.ratio:g}, batch {self.batch}"
+
+
+def _choices(eager: _Fit, fits: list[_Fit], cfg: BenchConfig) -> list[_Choice]:
+    """The schedule candidates: :func:`_candidates` with the default compile scope; when
+    the schedule is chosen by measuring, also the baselines' equivalents at eager's batch
+    (the schedule that applies nothing, and with compilation allowed, the whole model
+    compiled), so that the measured choice is never slower than either beyond noise."""
+    scope = _default_scope(cfg)
+    out = [_Choice(scope, f.ratio, max(1, f.batch)) for f in _candidates(eager, fits, cfg)]
+    if cfg.ckpt_ratio is None and cfg.sweep_steps > 0:
+        out.append(_Choice("none", 0.0, max(1, eager.batch)))
+        if cfg.schedule_compile:
+            out.append(_Choice("whole", 0.0, max(1, eager.batch)))
+    return list(dict.fromkeys(out))
+
+
 def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -> float:
     """FLOPs of one forward and backward of one sequence (FlopCounterMode)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -413,27 +462,34 @@ def _model_flops(name: str, size: str, cfg: BenchConfig, device: torch.device) -
     return float(counter.get_total_flops())
 
 
-def _sweep(name: str, cfg: BenchConfig, candidates: list[_Fit], device: torch.device,
-           log: Callable[[str], None]) -> list[tuple[_Fit, float]]:
-    """Time each candidate ratio (at its largest batch) for ``cfg.sweep_steps`` steps
-    after one warm-up step; ``(fit, tokens/s)`` for each (empty: nothing to choose)."""
-    if len(candidates) < 2 or cfg.sweep_steps < 1:
+def _sweep(name: str, cfg: BenchConfig, choices: list[_Choice], device: torch.device,
+           log: Callable[[str], None]) -> list[tuple[_Choice, float]]:
+    """Build and warm up (compile) every candidate, then time them in ``cfg.sweep_steps``
+    interleaved rounds (the order rotates every round, as in the timed run);
+    ``(choice, median tokens/s)`` for each (empty: nothing to choose)."""
+    if len(choices) < 2 or cfg.sweep_steps < 1:
         return []
     seq_len = _size(name, cfg.size).seq_len
-    out = []
-    for fit in candidates:
-        _reset_compiled()
-        model = _scheduled(name, cfg.size, cfg, fit.ratio).to(device)
+    runs: list[tuple[_Choice, _Variant, dict[str, torch.Tensor]]] = []
+    _reset_compiled()
+    for choice in choices:
+        model = _scheduled(name, cfg.size, cfg, choice.ratio, choice.scope).to(device)
         v = _Variant("torchloom", model, model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                     fit.batch, fit.ratio)
-        inputs = _inputs(name, model, fit.batch, seq_len, cfg.seed, device)
-        _step(v, inputs, device)
-        times = [_step(v, inputs, device) for _ in range(cfg.sweep_steps)]
-        tps = fit.batch * seq_len / statistics.median(times)
-        log(f"{name}: schedule with ckpt ratio {fit.ratio:g}, batch {fit.batch}: "
-            f"{tps:,.0f} tokens/s")
-        out.append((fit, tps))
-        del model, v
+                     choice.batch, choice.ratio)
+        inputs = _inputs(name, model, choice.batch, seq_len, cfg.seed, device)
+        _step(v, inputs, device)  # compiles
+        runs.append((choice, v, inputs))
+    for r in range(cfg.sweep_steps):
+        shift = r % len(runs)
+        for _, v, inputs in runs[shift:] + runs[:shift]:
+            v.times.append(_step(v, inputs, device))
+    out = []
+    for choice, v, _ in runs:
+        tps = choice.batch * seq_len / statistics.median(v.times)
+        log(f"{name}: schedule candidate ({choice.describe()}): {tps:,.0f} tokens/s")
+        out.append((choice, tps))
+    del runs
+    _reset_compiled()
     return out
 
 
@@ -493,40 +549,46 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
     for name in cfg.models:
         spec = _size(name, cfg.size)
         eager_fit, fits, layer_at = _fit(name, cfg.size, cfg, device)
-        candidates = _candidates(eager_fit, fits, cfg)
+        choices = _choices(eager_fit, fits, cfg)
         log(f"{name}: largest batch under {cfg.budget_bytes / 2**20:,.0f} MiB: eager "
             f"{eager_fit.batch}; schedule " + ", ".join(
                 f"ckpt ratio {f.ratio:g}: {f.batch}" for f in fits))
-        sweep = _sweep(name, cfg, candidates, device, log)
+        sweep = _sweep(name, cfg, choices, device, log)
         if sweep:
-            tl_fit = max(sweep, key=lambda c: c[1])[0]
+            chosen = max(sweep, key=lambda c: c[1])[0]
+            log(f"{name}: chosen by measurement: {chosen.describe()}")
         else:  # compiled layers alone buy batch; plain layers need the checkpoints
-            tl_fit = candidates[0] if cfg.schedule_compile else candidates[-1]
+            chosen = choices[0] if cfg.schedule_compile else choices[-1]
         flops_per_seq = _model_flops(name, cfg.size, cfg, device)
 
         variants: list[_Variant] = []
         _reset_compiled()
         for vname in [v for v in VARIANTS if v in cfg.variants]:
-            fit = tl_fit if vname == "torchloom" else eager_fit
-            model = (_scheduled(name, cfg.size, cfg, fit.ratio) if vname == "torchloom"
-                     else _make(name, cfg.size, cfg.seed, device)).to(device)
+            if vname == "torchloom":
+                model = _scheduled(name, cfg.size, cfg, chosen.ratio, chosen.scope)
+                batch, ratio = chosen.batch, chosen.ratio
+            else:
+                model = _make(name, cfg.size, cfg.seed, device)
+                batch, ratio = max(1, eager_fit.batch), eager_fit.ratio
+            model = model.to(device)
             call: Callable[..., Any] = model
             if vname == "compile":
                 call = torch.compile(model, backend=cfg.compile_backend)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            variants.append(_Variant(vname, model, call, opt, max(1, fit.batch), fit.ratio))
+            variants.append(_Variant(vname, model, call, opt, batch, ratio))
         n_params = sum(p.numel() for p in variants[0].model.parameters())
 
         # Warm-up: compile (timed), then one step per variant counting saved bytes.
         for v in variants:
             inputs = _inputs(name, v.model, v.batch, spec.seq_len, cfg.seed, device)
-            if v.name == "compile" or (v.name == "torchloom" and cfg.schedule_compile):
+            if v.name == "compile" or (v.name == "torchloom" and chosen.scope != "none"):
                 v.compile_s = _step(v, inputs, device)
                 log(f"{name}: {v.name}: first step (compiles) {v.compile_s:.1f} s")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            whole = v.name == "compile" or (v.name == "torchloom" and chosen.scope == "whole")
             saved, loss = _count(v.model, name, functools.partial(_loss, v.call, inputs, device),
-                                 hooks=v.name != "compile")
+                                 hooks=not whole)
             loss.backward()
             del loss
             v.optimizer.step()
@@ -591,11 +653,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
                 row["compile_backend"] = cfg.compile_backend
             if v.name == "torchloom":
                 row["schedule"] = {"ckpt_ratio": v.ratio,
-                                   "compile": cfg.compile_backend if cfg.schedule_compile
-                                   else False}
+                                   "compile": cfg.compile_backend
+                                   if chosen.scope != "none" else False,
+                                   "compile_scope": chosen.scope,
+                                   "chosen_by": "measurement" if sweep else "default"}
                 row["ckpt_sweep"] = [
-                    {"ckpt_ratio": f.ratio, "batch_size": f.batch, "tokens_per_s": tps}
-                    for f, tps in sweep]
+                    {"compile_scope": c.scope, "ckpt_ratio": c.ratio, "batch_size": c.batch,
+                     "tokens_per_s": tps} for c, tps in sweep]
                 row["ckpt_batches"] = {f"{f.ratio:g}": f.batch for f in fits}
             if v.cuda_peak is not None:
                 row["cuda_max_memory_allocated"] = v.cuda_peak

@@ -690,8 +690,10 @@ def bench(
     seed: int = typer.Option(0, help="Seed of the weights and the data."),
     schedule_compile: bool = typer.Option(
         True, help="The schedule compiles each transformer layer in place."),
-    sweep_steps: int = typer.Option(0, min=0, help="Timed steps per checkpoint-ratio "
-                                    "candidate (0: do not measure, see the docs)."),
+    sweep_steps: int = typer.Option(3, min=0, help="Interleaved timed rounds that choose the "
+                                    "schedule among its candidates (compiled layers with and "
+                                    "without checkpointing, nothing compiled, the whole model "
+                                    "compiled); 0: do not measure, see the docs."),
     json_path: str = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: str = typer.Option(None, help="Write a PNG of the results here."),
 ) -> None:
