@@ -1,4 +1,5 @@
-"""Auto-tuning a tiny GPT-2 on the CPU: exhaustive search against the binary search.
+"""Auto-tuning a tiny GPT-2 on the CPU: exhaustive search, Slapo's binary search and
+optuna's model-based search (TPE) on the same grid and budget (the paper's experiment).
 
 The space is batch size x checkpoint ratio (``sch["transformer.h"].checkpoint(ratio=r)``)
 of a 4-layer GPT-2 (hidden size 64, 4 heads, byte vocabulary). Both strategies get the
@@ -8,7 +9,9 @@ memory (a CPU has no device memory limit, so the budget stands in for one). Each
 remaining candidate is trained in-process for ``--warmup`` + ``--steps`` steps and its
 throughput (tokens/s) measured.
 
-Printed: a table per strategy (points evaluated, pruned, best point, best throughput,
+Printed: a table per strategy (points evaluated, pruned, evaluations until the grid's
+optimum, the exhaustive run's best point, was first measured, trials that ran over the
+budget, which must be 0 because the cost model prunes them, best point, best throughput,
 time), and the memory cost model's error against the measured peak for every
 configuration that ran. Predicted: one training step on fake tensors, every storage
 followed from creation to release (``torchloom.tune.memory``). Measured: the same
@@ -52,6 +55,7 @@ from torchloom.tune import (
     point_key,
 )
 
+STRATEGIES = ("exhaustive", "binary", "optuna")
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64]
 RATIOS = [0.0, 0.25, 0.5, 0.75, 1.0]
 MIB = 2**20
@@ -137,8 +141,28 @@ def head_to_head(points: list[dict], args: argparse.Namespace) -> list[float]:
     return [statistics.median(s) for s in samples]
 
 
+def evaluations_to(result: TuneResult, key: str) -> int | None:
+    """How many evaluations ``result``'s strategy ran until it first measured the point
+    ``key`` (1-based), or None if it never did.
+
+    >>> from torchloom.tune import TrialRecord
+    >>> recs = [TrialRecord(point={"b": b}, status=s) for b, s in [(1, "pruned"), (2, "ok"), (4, "ok")]]
+    >>> evaluations_to(TuneResult(best=None, records=recs), recs[2].key)
+    2
+    """
+    ran = [r for r in result.records if r.status != "pruned"]
+    return next((i + 1 for i, r in enumerate(ran) if r.key == key), None)
+
+
+def over_budget(result: TuneResult) -> int:
+    """Trials that ran and measured a peak over the budget (the cost model should have
+    pruned them)."""
+    return sum(1 for r in result.records
+               if r.status == "failed" and (r.error or "").startswith("out of memory"))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run both strategies and print the tables."""
+    """Run the three strategies and print the tables."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console()
@@ -147,16 +171,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"seq {args.seq_len}, torch threads {torch.get_num_threads()}")
     results = {}
     estimates: dict[str, MemoryEstimate] = {}
-    for name in ("exhaustive", "binary"):
+    for name in STRATEGIES:
         start = time.perf_counter()
         results[name] = run(name, args, estimates if name == "exhaustive" else None)
         results[name].seconds = time.perf_counter() - start
     summary = Table(title="strategies")
-    for column in ("strategy", "evaluated", "pruned", "best point", "best tokens/s", "time s"):
+    for column in ("strategy", "evaluated", "pruned", "evaluations to the optimum",
+                   "over budget", "best point", "best tokens/s", "time s"):
         summary.add_column(column, justify="left" if column in ("strategy", "best point") else "right")
+    optimum = results["exhaustive"].best
     for name, result in results.items():
         best = result.best
+        reached = evaluations_to(result, optimum.key) if optimum else None
         summary.add_row(name, str(result.evaluations), str(len(result.pruned)),
+                        str(reached) if reached else "not reached", str(over_budget(result)),
                         str(best.point) if best else "-",
                         f"{best.throughput:.0f}" if best else "-", f"{result.seconds:.1f}")
     console.print(summary)
@@ -171,10 +199,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"re-measured head to head ({args.repeats} alternating rounds, median): exhaustive "
             f"best {full.best.point} {fair[0]:.0f} tokens/s, binary best {binary.best.point} "
             f"{fair[1]:.0f} tokens/s = {fair[1] / fair[0]:.1%}")
-    console.print("binary search trials in order: " + ", ".join(
-        f"{r.point['batch_size']}/{r.point['ckpt_ratio']}:{r.status}"
-        + (f" {r.throughput:.0f}" if r.status == "ok" else "")
-        for r in binary.records if r.status != "pruned"))
+    for name in ("binary", "optuna"):
+        console.print(f"{name} trials in order: " + ", ".join(
+            f"{r.point['batch_size']}/{r.point['ckpt_ratio']}:{r.status}"
+            + (f" {r.throughput:.0f}" if r.status == "ok" else "")
+            for r in results[name].records if r.status != "pruned"))
 
     errors = Table(title="memory cost model vs measured peak (exhaustive run)")
     for column in ("batch", "ratio", "predicted MiB", "measured MiB", "error",
