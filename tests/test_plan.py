@@ -310,19 +310,38 @@ def test_tune_layouts_chooses_by_measurement_not_by_prediction():
 
     calls = []
 
-    def measure(layouts):  # a stand-in run: the plan's second choice is the fastest
-        calls.append(layouts)
-        return [{"tokens_per_s": 100.0 if len(calls) == 2 else 50.0, "peak": 1}]
+    def measure(layout, knobs):  # a stand-in run: compiled, the plan's second is fastest
+        calls.append((layout, knobs))
+        return {"tokens_per_s": 100.0 if len(calls) == 4 else 50.0, "peak": 1}
 
     result = tune_layouts("llama", 2, "h100-80gb", batch_size=4, seq_len=SEQ,
                           ckpt_ratios=(0.0,), micro_batches=(2,), measure_top=2,
-                          measure=measure)
-    assert len(calls) == 2 and [t.layout for t in result.measured] == [c[0] for c in calls]
-    assert result.best is result.measured[1]
-    assert result.measured[0].predicted_tokens_per_s >= result.measured[1].predicted_tokens_per_s
+                          kernels=({}, {"compile": "aot_eager"}), measure=measure)
+    assert [(t.layout, t.kernels) for t in result.measured] == calls
+    assert [k for _, k in calls] == [{}, {"compile": "aot_eager"}] * 2
+    assert calls[0][0] == calls[1][0] != calls[2][0] == calls[3][0]
+    assert result.best is result.measured[3]
+    assert result.measured[0].predicted_tokens_per_s >= result.measured[2].predicted_tokens_per_s
     with pytest.raises(TuneError, match=r"(?s)no layout of 2 devices fits 0\.0 MiB per device "
                                         r"by prediction.*fix: a larger budget_bytes"):
         tune_layouts("llama", 2, batch_size=4, seq_len=SEQ, budget_bytes=1000,
                      ckpt_ratios=(0.0,), micro_batches=(2,), measure=measure)
     with pytest.raises(TuneError, match=r"measure_top=0: at least one layout must be measured"):
         tune_layouts("llama", 2, batch_size=4, seq_len=SEQ, measure_top=0, measure=measure)
+
+
+def test_latencies_cost_per_operator_and_per_collective_call():
+    # a profile's fixed costs: every collective call (on the critical path at tp, no dp)
+    # adds collective_latency; every dispatched operator adds op_overhead
+    import dataclasses
+
+    base = get_profile("a100-80gb")
+    lay = Layout(tp=2, micro_batch=2, seq_len=SEQ)
+    plain = predict("gpt2", lay, base)
+    calls = sum(c.count for c in plain.roles[0].collectives)
+    assert calls > 0
+    slow_links = predict("gpt2", lay, dataclasses.replace(base, collective_latency=1e-3))
+    assert slow_links.step_time - plain.step_time == pytest.approx(calls * 1e-3, rel=1e-6)
+    slow_host = predict("gpt2", lay, dataclasses.replace(base, op_overhead=1e-5))
+    # hundreds of operators in a step of even a 2-layer model
+    assert slow_host.step_time - plain.step_time > 100 * 1e-5

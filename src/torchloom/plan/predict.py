@@ -269,13 +269,17 @@ class _Piece:
     largest: int = 0  # its largest gradient tensor
 
 
+OPTIMIZER_OPS = 12
+"""Operators a single-tensor Adam/AdamW step dispatches per parameter tensor."""
+
+
 def _seconds(seg: SegmentCost, profile: Profile) -> float:
     t = 0.0
     bw = profile.memory_bandwidth * profile.memory_efficiency
     for flops, moved, dtype in seg.matmuls:
         peak = profile.flops.get(dtype) or profile.flops.get("fp32", 1.0)
         t += max(flops / (peak * profile.matmul_efficiency), moved / bw)
-    return t + seg.other_bytes / bw
+    return t + seg.other_bytes / bw + seg.ops * profile.op_overhead
 
 
 def _comm(seg: SegmentCost) -> Counter:
@@ -439,7 +443,8 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
             link = profile.link(2, layout.tp * layout.dp * max(1, layout.pp - 1))
         else:
             link = profile.link(gsize, stride.get(group, 1))
-        secs = count * _ring(kind, gsize, nbytes, link * profile.link_efficiency)
+        secs = count * (_ring(kind, gsize, nbytes, link * profile.link_efficiency)
+                        + profile.collective_latency)
         times["tp" if group == "tp" else "pp" if group == "pp" else "dp"] += secs
         slot = merged.setdefault((kind, group), [0, 0, 0.0])
         slot[0] += count
@@ -610,6 +615,8 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
         dp_exposed = dp_time
     opt_time = OPTIMIZER_TRAFFIC * params / (profile.memory_bandwidth *
                                              profile.memory_efficiency) if states else 0.0
+    if states and impl == "single":  # a dozen operators per parameter tensor
+        opt_time += OPTIMIZER_OPS * tensors * profile.op_overhead
     return _Role(k, len(mine), memory, flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)

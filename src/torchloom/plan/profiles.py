@@ -76,6 +76,11 @@ class Profile:
         overlap: whether data-parallel communication runs while backward computes.
         optimizer_impl: ``"foreach"`` (one kernel per dtype group; its temporaries hold a
             copy of the parameters) or ``"single"`` (parameter by parameter).
+        op_overhead: seconds every dispatched operator costs beyond its work (the host's
+            dispatch on a CPU); 0 for the GPU profiles, whose kernel launches run ahead of
+            the kernels.
+        collective_latency: seconds every collective call costs whatever its size (0 for
+            the GPU profiles: at the sizes a training step sends, bandwidth dominates).
         source: where the figures come from.
     """
 
@@ -92,6 +97,8 @@ class Profile:
     usable_memory: float = 0.9
     overlap: bool = True
     optimizer_impl: str = "foreach"
+    op_overhead: float = 0.0
+    collective_latency: float = 0.0
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -190,7 +197,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _link_rank(rank: int, nbytes: int, repeats: int) -> float:
+def _link_rank(rank: int, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(bytes/s of a large all-reduce, seconds of a one-element one) between 2 ranks."""
     import torch.distributed as dist
 
     x = torch.ones(nbytes // 4)
@@ -203,6 +211,28 @@ def _link_rank(rank: int, nbytes: int, repeats: int) -> float:
         elapsed = time.perf_counter() - start
         # a ring all-reduce of 2 ranks sends the tensor once each way
         best = max(best, nbytes / max(elapsed, 1e-9))
+    one = torch.ones(1)
+    small = []
+    for _ in range(20):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(one)
+        small.append(time.perf_counter() - start)
+    return best, sorted(small)[len(small) // 2]
+
+
+def _op_overhead(repeats: int, count: int = 200) -> float:
+    """Seconds per operator of a chain of tiny autograd-recorded operators, forward and
+    backward (the dispatch cost a step pays per operator on this host)."""
+    best = float("inf")
+    for _ in range(repeats):
+        x = torch.ones(8, requires_grad=True)
+        start = time.perf_counter()
+        y = x
+        for _ in range(count):
+            y = y * 1.0001
+        y.sum().backward()
+        best = min(best, (time.perf_counter() - start) / (2 * count))
     return best
 
 
@@ -228,6 +258,7 @@ def measure_local(device: str | None = None, *, size: int | None = None,
         except RuntimeError:  # no kernel for this dtype here
             continue
     bandwidth = _copy_rate(dev, (256 if cuda else 64) * 2**20, repeats)
+    latency, overhead = 0.0, 0.0
     if cuda:
         memory = torch.cuda.get_device_properties(dev).total_memory
         name = torch.cuda.get_device_name(dev)
@@ -236,13 +267,17 @@ def measure_local(device: str | None = None, *, size: int | None = None,
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         name = "cpu"
         links = bandwidth
+        overhead = _op_overhead(repeats)
         if link:
             from ..launch import run_ranks
 
-            links = min(run_ranks(_link_rank, 2, 16 * 2**20, repeats))
+            measured = run_ranks(_link_rank, 2, 16 * 2**20, repeats)
+            links = min(m[0] for m in measured)
+            latency = max(m[1] for m in measured)
     return Profile(
         f"local-{name}", int(memory), flops, bandwidth, links, links,
         gpus_per_node=max(1, os.cpu_count() or 1) if not cuda else 8,
         matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
         usable_memory=1.0, overlap=cuda, optimizer_impl="foreach" if cuda else "single",
+        op_overhead=overhead, collective_latency=latency,
         source=f"measured by torchloom plan --measure ({torch.get_num_threads()} threads)")

@@ -139,6 +139,7 @@ class SegmentCost:
     matmuls: list[tuple[int, int, str]]
     other_bytes: int
     collectives: list[Collective]
+    ops: int = 0  # operators dispatched (each costs the profile's op_overhead)
 
 
 @dataclass
@@ -194,6 +195,12 @@ class OpCost(Tracker):
         self.flops = 0
         self.matmuls: list[tuple[int, int, str]] = []
         self.other_bytes = 0
+        self.ops = 0
+
+    def take_ops(self) -> int:
+        """Operators dispatched since the last call, and start anew."""
+        out, self.ops = self.ops, 0
+        return out
 
     def take(self) -> tuple[list[tuple[int, int, str]], int]:
         """What was recorded since the last call, and start anew."""
@@ -209,6 +216,7 @@ class OpCost(Tracker):
         name = func._schema.name.split("::")[-1]
         if namespace in ("c10d", "_c10d_functional") or name in _VIEWS:
             return out
+        self.ops += 1
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
@@ -416,7 +424,8 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
         total = tracker.flops
         matmuls, other = tracker.take()
         segments[name] = SegmentCost(name, seg.start, seg.delta, seg.rise,
-                                     total - state["flops"], matmuls, other, seg.collectives)
+                                     total - state["flops"], matmuls, other, seg.collectives,
+                                     tracker.take_ops())
         state["flops"] = total
 
     handles = []
@@ -637,7 +646,8 @@ def extrapolate(one: Units, two: Units, micro_batch: int) -> Units | None:
                  for c1, c2 in zip(s1.collectives, s2.collectives)]
         segments[name] = SegmentCost(name, lin(s1.start, s2.start), lin(s1.delta, s2.delta),
                                      lin(s1.rise, s2.rise), lin(s1.flops, s2.flops), matmuls,
-                                     lin(s1.other_bytes, s2.other_bytes), colls)
+                                     lin(s1.other_bytes, s2.other_bytes), colls,
+                                     lin(s1.ops, s2.ops))
     key = dataclasses.replace(one.key, micro_batch=micro_batch)
     return Units(key, segments, one.params, one.shared, one.grads, one.largest,
                  one.param_tensors, one.buffers, lin(one.inputs, two.inputs),

@@ -55,7 +55,7 @@ def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
 def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one rank (see the module docstring). ``config``: ``model``, ``size``,
     ``layout`` (a :meth:`Layout.to_dict`), ``warmup`` (default 2), ``timed`` (default 0),
-    ``seed``. Returns ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
+    ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts`` and ``step_s`` (the timed steps)."""
     from .. import models
     from ..build import build, init_empty_weights
@@ -98,6 +98,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         knobs["tp"] = True
     if lay.sp:
         knobs["sequence_parallel"] = True
+    knobs.update(config.get("knobs") or {})  # kernel knobs (compile, attention, ...)
     models.apply_schedule(sch, **knobs)
     rows = lay.n_microbatches * lay.micro_batch
     gen = torch.Generator().manual_seed(1000 + dp_rank)
