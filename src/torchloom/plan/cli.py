@@ -348,6 +348,9 @@ def plan_command(
                                     "the N best predicted layouts that fit for a few steps "
                                     "on local gloo ranks (a zoo model, fp32: use with "
                                     "--measure) and choose by measurement."),
+    measure_compile: str = typer.Option(None, "--measure-compile", help="With --measure-top: "
+                                        "also measure each layout with its layers compiled "
+                                        "by this torch.compile backend (e.g. inductor)."),
     json_path: str = typer.Option(None, "--json", help="Write the predictions as JSON here "
                                   "('-' for standard output)."),
     plot: str = typer.Option(None, help="Write a PNG here."),
@@ -433,8 +436,9 @@ def plan_command(
                           + (result.ranked[0].layout.describe() if result.ranked else "none")
                           + "; try more GPUs, --ckpt-ratio 1, a smaller --batch-size or a "
                           "larger device")
+        kernels = [{}, {"compile": measure_compile}] if measure_compile else [{}]
         measured = _measure_top(model, size, gpus, profile, batch, seq_len, measure_top,
-                                space, console) if measure_top else None
+                                kernels, space, console) if measure_top else None
         payload = {"model": spec.name, "gpus": gpus, "profile": profile.name,
                    "measured": measured,
                    "batch_size": batch, "seq_len": seq_len, "seconds": result.seconds,
@@ -457,8 +461,8 @@ def plan_command(
 
 
 def _measure_top(model: str, size: str, gpus: int, profile: Profile, batch: int,
-                 seq_len: int, count: int, space: dict[str, Any],
-                 console: Console) -> list[dict[str, Any]]:
+                 seq_len: int, count: int, kernels: list[dict[str, Any]],
+                 space: dict[str, Any], console: Console) -> list[dict[str, Any]]:
     """``--measure-top``: :func:`torchloom.tune.tune_layouts` on local ranks; a table of
     the measured layouts, the chosen one marked."""
     from ..tune import tune_layouts
@@ -466,18 +470,21 @@ def _measure_top(model: str, size: str, gpus: int, profile: Profile, batch: int,
     with console.status(f"training the {count} best predicted layouts on {gpus} local "
                         "ranks..."):
         tuned = tune_layouts(model, gpus, profile, batch_size=batch, seq_len=seq_len,
-                             measure_top=count, size=size, **space)
+                             measure_top=count, kernels=kernels, size=size, **space)
     table = Table(title=f"measured on {gpus} local gloo ranks (fp32)")
-    for column in ("layout", "predicted tok/s", "measured tok/s", "predicted peak",
-                   "measured peak", "chosen"):
-        table.add_column(column, justify="left" if column == "layout" else "right")
+    for column in ("layout", "kernels", "predicted tok/s", "measured tok/s",
+                   "predicted peak", "measured peak", "chosen"):
+        table.add_column(column, justify="left" if column in ("layout", "kernels")
+                         else "right")
     rows = []
     for t in tuned.measured:
         chosen = t is tuned.best
-        table.add_row(t.layout.describe(), f"{t.predicted_tokens_per_s:,.0f}",
+        kernel_text = ", ".join(f"{k}={v}" for k, v in t.kernels.items()) or "-"
+        table.add_row(t.layout.describe(), kernel_text, f"{t.predicted_tokens_per_s:,.0f}",
                       f"{t.measured_tokens_per_s:,.0f}", _gib(t.predicted_peak or 0),
                       _gib(t.measured_peak or 0), "yes" if chosen else "")
-        rows.append({"layout": t.layout.to_dict(), "predicted_tokens_per_s":
+        rows.append({"layout": t.layout.to_dict(), "kernels": t.kernels,
+                     "predicted_tokens_per_s":
                      t.predicted_tokens_per_s, "measured_tokens_per_s": t.measured_tokens_per_s,
                      "predicted_peak": t.predicted_peak, "measured_peak": t.measured_peak,
                      "chosen": chosen})

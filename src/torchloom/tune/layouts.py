@@ -13,21 +13,20 @@ the planner ranks first.
    layout whose predicted peak on its busiest rank is over the budget, before anything
    runs: no trial is ever over the budget by prediction;
 3. orders the rest by predicted throughput and measures only the first ``measure_top``
-   with real training steps (by default :func:`measure_on_local_ranks`: ``gpus`` gloo
-   ranks of this machine, the model built, scheduled and wrapped for the layout as
-   ``torchloom train`` does it, ``warmup`` steps then ``timed`` timed ones);
+   with real training steps, each with every kernel variant of ``kernels`` (knobs of the
+   model's built-in schedule the planner does not model, e.g. ``{"compile": "inductor"}``
+   or GPT-2's ``{"attention": "sdpa"}``; pipelines run the plain variant only): by
+   default :func:`measure_on_local_ranks`, ``gpus`` gloo ranks of this machine, the model
+   built, scheduled and wrapped for the layout as ``torchloom train`` does it, ``warmup``
+   steps then ``timed`` timed ones;
 4. returns every layout with its prediction and, for the measured ones, the measured
    tokens/s and per-rank peak; :attr:`LayoutTuneResult.best` is the fastest measured.
 
 Measurement decides, the plan only orders and prunes: a plan whose step times rank two
 layouts wrongly costs a measurement, never a wrong choice among those measured.
 
-Knobs it does not search (yet): ``compile`` and the attention kernel (the planner does not
-model them; :func:`torchloom.bench.run_bench` chooses compilation by measurement at a
-world of one).
-
 >>> from torchloom.plan import Layout
->>> r = LayoutTrial(Layout(tp=2), predicted_tokens_per_s=10.0, predicted_peak=5, status="ok",
+>>> r = LayoutTrial(Layout(tp=2), {}, predicted_tokens_per_s=10.0, predicted_peak=5, status="ok",
 ...                 measured_tokens_per_s=8.0, measured_peak=6)
 >>> LayoutTuneResult([r], budget_bytes=10).best is r
 True
@@ -48,7 +47,8 @@ if TYPE_CHECKING:  # torchloom.plan imports torchloom.tune.memory: imported on u
 
 __all__ = ["LayoutTrial", "LayoutTuneResult", "measure_on_local_ranks", "tune_layouts"]
 
-Measure = Callable[[list["Layout"]], list[dict[str, Any]]]
+Measure = Callable[["Layout", dict[str, Any]], dict[str, Any]]
+"""``measure(layout, kernel_knobs) -> {"tokens_per_s": ..., "peak": ...}``."""
 
 
 @dataclass
@@ -57,6 +57,7 @@ class LayoutTrial:
 
     Attributes:
         layout: the layout.
+        kernels: the kernel knobs it ran with (measured trials; ``{}``: none).
         predicted_tokens_per_s, predicted_peak: the plan's figures (peak bytes of the
             busiest rank).
         status: ``"pruned"`` (predicted over the budget: never run), ``"refused"`` (the
@@ -67,6 +68,7 @@ class LayoutTrial:
     """
 
     layout: Layout
+    kernels: dict[str, Any] = field(default_factory=dict)
     predicted_tokens_per_s: float | None = None
     predicted_peak: int | None = None
     status: str = "not measured"
@@ -103,48 +105,38 @@ class LayoutTuneResult:
 def measure_on_local_ranks(model: str, *, batch_size: int, size: str = "tiny",
                            warmup: int = 1, timed: int = 3, timeout_s: float = 300.0,
                            ) -> Measure:
-    """A measurement for :func:`tune_layouts`: each layout trained on ``layout.world``
-    gloo ranks of this machine in fp32 (one launch per call;
-    :func:`torchloom.plan.validate.measure_many`), returning per layout ``tokens_per_s`` (the global batch over the
-    median of the slowest rank's timed steps) and ``peak`` (the largest rank's peak of
-    live storages). ``model`` is a zoo name."""
-    def measure(layouts: list[Layout]) -> list[dict[str, Any]]:
+    """A measurement for :func:`tune_layouts`: a layout trained on ``layout.world`` gloo
+    ranks of this machine in fp32, with the kernel knobs given to the built-in schedule
+    (one launch; :func:`torchloom.plan.validate.measure_many`), returning
+    ``tokens_per_s`` (the global batch over the median of the slowest rank's timed steps)
+    and ``peak`` (the largest rank's peak of live storages). ``model`` is a zoo name."""
+    def measure(layout: Layout, knobs: dict[str, Any]) -> dict[str, Any]:
         from ..launch import raise_first_failure, run_ranks
         from ..plan.validate import measure_many
 
-        if not layouts:
-            return []
-        mixed = sorted({str(lay.mixed_precision) for lay in layouts if lay.mixed_precision})
-        if mixed:
+        if layout.mixed_precision:
             raise TuneError(
-                f"the local measurement runs fp32 steps, and the layouts ask for {mixed[0]} "
-                "autocast", primitive="tune_layouts", values={"mixed_precision": mixed},
+                f"the local measurement runs fp32 steps, and the layout asks for "
+                f"{layout.mixed_precision} autocast", primitive="tune_layouts",
+                values={"layout": layout.describe(), "mixed_precision": layout.mixed_precision},
                 fix="tune_layouts(..., mixed_precision=None), or pass measure= a function "
                 "that runs the layouts on their devices")
-        worlds = {lay.world for lay in layouts}
-        if len(worlds) != 1:
-            raise TuneError("the layouts to measure have different world sizes",
-                            primitive="tune_layouts", values={"worlds": sorted(worlds)},
-                            fix="measure layouts of one number of devices at a time")
-        configs = [{"model": model, "size": size, "layout": lay.to_dict(), "warmup": warmup,
-                    "timed": timed} for lay in layouts]
-        per_rank = run_ranks(measure_many, worlds.pop(), configs, timeout_s=timeout_s)
+        config = {"model": model, "size": size, "layout": layout.to_dict(), "warmup": warmup,
+                  "timed": timed, "knobs": dict(knobs)}
+        per_rank = run_ranks(measure_many, layout.world, [config], timeout_s=timeout_s)
         raise_first_failure(per_rank, command="tune_layouts")
-        out = []
-        for i, _ in enumerate(layouts):
-            runs = [ranks[i] for ranks in per_rank]
-            steps = [max(r["step_s"][k] for r in runs) for k in range(timed)]
-            out.append({"tokens_per_s": batch_size * layouts[i].seq_len
-                        / statistics.median(steps),
-                        "peak": max(r["peak"] for r in runs)})
-        return out
+        runs = [ranks[0] for ranks in per_rank]
+        steps = [max(r["step_s"][k] for r in runs) for k in range(timed)]
+        return {"tokens_per_s": batch_size * layout.seq_len / statistics.median(steps),
+                "peak": max(r["peak"] for r in runs)}
 
     return measure
 
 
 def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
                  batch_size: int, seq_len: int, budget_bytes: int | None = None,
-                 measure_top: int = 3, measure: Measure | None = None, size: str = "tiny",
+                 measure_top: int = 3, kernels: Sequence[dict[str, Any]] = ({},),
+                 measure: Measure | None = None, size: str = "tiny",
                  **space: Any) -> LayoutTuneResult:
     """Choose the layout of ``model`` on ``gpus`` devices (see the module docstring).
 
@@ -154,7 +146,10 @@ def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
         profile: the device the plan predicts for (``measure_local()`` for this machine).
         budget_bytes: memory per device; default the profile's usable memory.
         measure_top: how many of the best-predicted layouts that fit run for real.
-        measure: ``fn(layouts) -> [{"tokens_per_s", "peak"}]``; default
+        kernels: the kernel variants each measured layout runs with (knobs of the
+            built-in schedule, e.g. ``({}, {"compile": "inductor"})``); a pipeline runs
+            the plain one (``{}``) only.
+        measure: ``fn(layout, kernel_knobs) -> {"tokens_per_s", "peak"}``; default
             :func:`measure_on_local_ranks` of ``model``.
         space: keyword arguments of :func:`torchloom.plan.enumerate_layouts` (fixed
             degrees, ``dp_mode``, ``ckpt_ratios``, ``micro_batches``, dtypes).
@@ -180,10 +175,10 @@ def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
     fitting: list[Prediction] = [p for p in found.ranked if p.fits]
     for lay, why in found.rejected:
         status = "pruned" if "alone need" in why else "refused"
-        trials.append(LayoutTrial(lay, status=status, reason=why))
+        trials.append(LayoutTrial(lay, {}, status=status, reason=why))
     for p in found.ranked:
         if not p.fits:
-            trials.append(LayoutTrial(p.layout, p.tokens_per_s, p.peak, "pruned",
+            trials.append(LayoutTrial(p.layout, {}, p.tokens_per_s, p.peak, "pruned",
                                       reason=f"predicted peak {p.peak / 2**20:,.1f} MiB > "
                                              f"budget {budget / 2**20:,.1f} MiB"))
     if not fitting:
@@ -196,19 +191,23 @@ def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
                 "ckpt_ratios=(1.0,)")
     chosen = fitting[:measure_top]
     run = measure or measure_on_local_ranks(model, batch_size=batch_size, size=size)
+    variants = [dict(k) for k in kernels] or [{}]
     measured: list[LayoutTrial] = []
     for p in chosen:
-        trial = LayoutTrial(p.layout, p.tokens_per_s, p.peak)
-        try:
-            (figures,) = run([p.layout])
-        except (PlanError, TuneError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed run is a failed trial
-            trial.status, trial.reason = "failed", f"{type(exc).__name__}: {exc}"
-        else:
-            trial.status = "ok"
-            trial.measured_tokens_per_s = float(figures["tokens_per_s"])
-            trial.measured_peak = int(figures["peak"])
-        measured.append(trial)
-    rest = [LayoutTrial(p.layout, p.tokens_per_s, p.peak) for p in fitting[measure_top:]]
+        for knobs in variants:
+            if knobs and p.layout.pp > 1:
+                continue  # the pipeline's tracer runs the model's own code
+            trial = LayoutTrial(p.layout, knobs, p.tokens_per_s, p.peak)
+            try:
+                figures = run(p.layout, knobs)
+            except (PlanError, TuneError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed run is a failed trial
+                trial.status, trial.reason = "failed", f"{type(exc).__name__}: {exc}"
+            else:
+                trial.status = "ok"
+                trial.measured_tokens_per_s = float(figures["tokens_per_s"])
+                trial.measured_peak = int(figures["peak"])
+            measured.append(trial)
+    rest = [LayoutTrial(p.layout, {}, p.tokens_per_s, p.peak) for p in fitting[measure_top:]]
     return LayoutTuneResult([*measured, *rest, *trials], budget, found.seconds)
