@@ -77,6 +77,7 @@ from torch import nn
 from . import models, zoo
 from .build import build
 from .errors import ScheduleError
+from .plan.profiles import matmul_rate, sync as _sync
 from .schedule import create_schedule
 from .tune.memory import count_saved
 
@@ -189,11 +190,6 @@ def largest_batch(bytes_at: Callable[[int], float], budget: float, max_batch: in
 # --------------------------------------------------------------------------- devices
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _autocast(device: torch.device) -> Any:
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
@@ -209,19 +205,8 @@ def measure_peak_flops(device: torch.device | str = "cpu", size: int | None = No
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
-    size = size or (4096 if cuda else 2048)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    _sync(device)
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        _sync(device)
-        best = max(best, 2 * size**3 / max(time.perf_counter() - start, 1e-9))
-    return best
+    return matmul_rate(device, torch.bfloat16 if cuda else torch.float32,
+                       size or (4096 if cuda else 2048), repeats)
 
 
 # --------------------------------------------------------------------------- models

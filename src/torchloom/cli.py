@@ -23,12 +23,11 @@ traceback, and the command exits with status 2.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import os
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import typer
@@ -47,6 +46,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from . import __version__, data, zoo
+from ._cli_errors import clean_errors as _clean_errors
 from .build import build
 from .errors import ScheduleError
 from .primitives import list_primitives
@@ -55,9 +55,7 @@ from .show import rich_tree
 
 __all__ = ["app", "main", "apply_demo_schedule"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_SCHEDULE_ERROR = 2
 
 app = typer.Typer(
     name="torchloom",
@@ -66,20 +64,6 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-
-
-def _clean_errors(command: F) -> F:
-    """Print a ScheduleError as its message (no traceback) and exit with status 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except ScheduleError as exc:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(exc))}")
-            raise typer.Exit(EXIT_SCHEDULE_ERROR) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _version(value: bool) -> None:

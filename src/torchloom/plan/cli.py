@@ -17,7 +17,7 @@ plans for this machine instead of ``--gpu`` (:func:`torchloom.plan.measure_local
 Register it on the ``torchloom`` command line with::
 
     from .plan.cli import plan_command
-    app.command("plan")(_clean_errors(plan_command))
+    app.command("plan")(clean_errors(plan_command))
 
 >>> from typer.testing import CliRunner
 >>> result = CliRunner().invoke(app, ["gpt2", "--gpus", "2", "--tp", "2", "--seq-len", "32"])
@@ -27,18 +27,16 @@ Register it on the ``torchloom`` command line with::
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import shlex
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import ScheduleError
+from .._cli_errors import clean_errors
 from .errors import PlanError
 from .layout import Layout
 from .predict import Prediction, predict
@@ -49,7 +47,6 @@ from .spec import ModelSpec, model_spec
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
            "plot_roles"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 GIB = 2**30
 _DTYPES = {  # --dtype -> (param dtype, mixed precision)
     "fp32": ("fp32", None), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16"),
@@ -280,17 +277,6 @@ def plot_roles(p: Prediction, path: str) -> str:
 # --------------------------------------------------------------------------- command
 
 
-def _clean(command: F) -> F:
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except ScheduleError as exc:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(exc))}")
-            raise typer.Exit(2) from None
-    return wrapper  # type: ignore[return-value]
-
-
 def _degrees(gpus: int, tp: int | None, pp: int | None, dp: int | None
              ) -> tuple[int, int, int] | None:
     given = [x for x in (tp, pp, dp) if x is not None]
@@ -497,7 +483,7 @@ def _measure_top(model: str, size: str, gpus: int, profile: Profile, batch: int,
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="torchloom plan: per-GPU memory and step time of a model's layouts.")
-app.command()(_clean(plan_command))
+app.command()(clean_errors(plan_command))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,17 +52,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PlanError
 from .layout import OPTIMIZERS, Layout, check_model
 from .profiles import Profile, get_profile
 from .spec import ModelSpec, model_spec
 from .units import (
-    CKPT_LAYERS,
-    DEPTH,
     Crossing,
     ScheduleFn,
     SegmentCost,

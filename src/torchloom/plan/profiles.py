@@ -164,16 +164,22 @@ def get_profile(name: str | Profile) -> Profile:
     return PROFILES[key]
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    """The best FLOP/s of ``repeats`` ``size`` x ``size`` matmuls in ``dtype`` on
+    ``device``, after one warm-up (synchronised on CUDA).
+
+    >>> matmul_rate(torch.device("cpu"), torch.float32, 64, 2) > 0
+    True
+    """
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     torch.mm(a, b)
-    _sync(device)
+    sync(device)
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
-        _sync(device)
+        sync(device)
         best = max(best, 2 * size**3 / max(time.perf_counter() - start, 1e-9))
     return best
 
@@ -182,17 +188,18 @@ def _copy_rate(device: torch.device, nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync(device)
     best = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         best = max(best, 2 * nbytes / max(time.perf_counter() - start, 1e-9))
     return best
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -251,10 +258,10 @@ def measure_local(device: str | None = None, *, size: int | None = None,
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     size = size or (4096 if cuda else 1024)
-    flops = {"fp32": _matmul_rate(dev, torch.float32, size, repeats)}
+    flops = {"fp32": matmul_rate(dev, torch.float32, size, repeats)}
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         try:
-            flops[name] = _matmul_rate(dev, dtype, size, repeats)
+            flops[name] = matmul_rate(dev, dtype, size, repeats)
         except RuntimeError:  # no kernel for this dtype here
             continue
     bandwidth = _copy_rate(dev, (256 if cuda else 64) * 2**20, repeats)
