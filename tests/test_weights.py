@@ -383,3 +383,75 @@ def test_error_unknown_init_mode_and_bad_weights_arguments():
         tl.build(tl.create_schedule(nn.Linear(2, 2)), weights={})
     with pytest.raises(BuildError, match=r"strict must be True or False"):
         tl.build(tl.create_schedule(nn.Linear(2, 2)), weights="x", strict="yes")
+
+
+# --------------------------------------------------------------------------- merged experts
+
+def mixtral_cfg() -> transformers.MixtralConfig:
+    return transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128, max_position_embeddings=64,
+                                      num_local_experts=4)
+
+
+def qwen2_moe_cfg() -> transformers.Qwen2MoeConfig:
+    return transformers.Qwen2MoeConfig(hidden_size=32, intermediate_size=48,
+                                       moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64, num_experts=4,
+                                       num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize(("cls", "cfg"), [
+    (transformers.MixtralForCausalLM, mixtral_cfg),
+    (transformers.Qwen2MoeForCausalLM, qwen2_moe_cfg),
+])
+def test_per_expert_checkpoints_are_merged_like_from_pretrained(tmp_path, cls, cfg):
+    # save_pretrained writes one tensor per expert (experts.E.w1 ...); transformers 5's
+    # model holds them merged (experts.gate_up_proj: E x (w1 | w3) x hidden)
+    folder = saved(tmp_path, cls, cfg(), max_shard_size="40KB")
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        keys = list(json.load(f)["weight_map"])
+    assert any(".experts.3." in k for k in keys) and not any("gate_up_proj" in k for k in keys)
+    model = loaded(meta_from(folder), folder)
+    assert_same_state(model, cls.from_pretrained(folder))
+
+
+def test_tp_ranks_read_only_their_blocks_of_merged_experts(tmp_path, fake_world):
+    folder = saved(tmp_path, transformers.MixtralForCausalLM, mixtral_cfg())
+    ref = transformers.MixtralForCausalLM.from_pretrained(folder)
+    fake_world(2, 1)
+    # each expert split within (the derived schedule: gate_up along its rows in two
+    # blocks, down along its columns)
+    model = meta_from(folder)
+    models.apply_schedule(tl.create_schedule(model), tp=True)
+    spec = tl.shard_spec(model.model.layers[0].mlp.experts.gate_up_proj)
+    assert (spec.axis, spec.chunks) == (1, 2)
+    loaded(model, folder)
+    _assert_slices(model, ref)
+    # the experts split between the ranks (by hand): rank 1 holds experts 2 and 3
+    model = meta_from(folder)
+    sch = tl.create_schedule(model)
+    for i in range(2):
+        sch[f"model.layers.{i}.mlp.experts"].shard("gate_up_proj", 0)
+        sch[f"model.layers.{i}.mlp.experts"].shard("down_proj", 0)
+    loaded(model, folder)
+    _assert_slices(model, ref)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (2, 96, 32)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    folder = saved(tmp_path, transformers.MixtralForCausalLM, mixtral_cfg())
+    from safetensors.torch import load_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError, match=(
+            r"(?s)'model\.layers\.1\.mlp\.experts\.gate_up_proj' merges 4 experts' tensors, "
+            r"and the checkpoint's '\.experts\.\*\.w3\.weight' has experts \[0, 1, 3\].*"
+            r"missing_experts=\[2\].*fix: load a checkpoint of the model the schedule was "
+            r"made from \(same number of experts\)")):
+        tl.build(tl.create_schedule(meta_from(folder)), weights=folder)

@@ -20,8 +20,12 @@ transformers' ``from_pretrained`` renames them, with transformers' own functions
 (``get_model_conversion_mapping`` + ``rename_source_key``): legacy ``LayerNorm.gamma`` /
 ``beta`` names, and the base-model prefix added or stripped (a ``GPT2Model`` folder loads
 into ``GPT2LMHeadModel`` and back). A rename that needs a tensor conversion (transformers'
-``WeightConverter``, e.g. merging MoE experts) is refused with
-:class:`~torchloom.state.CheckpointMismatchError`. Tied tensors (one tensor object under
+``WeightConverter``) is read when its operations are the mixture-of-experts merge
+transformers 5 applies to per-expert checkpoints (``MergeModulelist(dim=0)`` over the
+experts, then optionally ``Concatenate`` of the patterns, e.g. Mixtral's ``w1`` and ``w3``
+into ``experts.gate_up_proj``): each block of the merged tensor comes from one expert's
+tensor, and only the blocks and ranges of this rank's shard are read. Any other conversion
+is refused with :class:`~torchloom.state.CheckpointMismatchError`. Tied tensors (one tensor object under
 several keys) are read once, from the first of their keys the checkpoint holds.
 
 How a tensor is read. Only this rank's part: for a tensor sharded with
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -364,10 +369,14 @@ def _legacy_rename(key: str) -> str:
         "LayerNorm.beta", "LayerNorm.bias")
 
 
-def _renamer(root: nn.Module | None) -> Callable[[str, dict[str, Any]], tuple[str, bool]]:
-    """``rename(checkpoint_key, expected) -> (model_key, needs_conversion)``: transformers'
+Rename = Callable[[str, dict[str, Any]], tuple[str, Any]]
+
+
+def _renamer(root: nn.Module | None) -> Rename:
+    """``rename(checkpoint_key, expected) -> (model_key, converter)``: transformers'
     ``from_pretrained`` renaming for a transformers model, else the legacy names and the
-    base-model prefix rule (the same rule, written out)."""
+    base-model prefix rule (the same rule, written out). ``converter`` is None, or
+    ``(WeightConverter, source pattern)`` when the tensor is converted on load."""
     prefix = getattr(root, "base_model_prefix", None) or None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -381,15 +390,18 @@ def _renamer(root: nn.Module | None) -> Callable[[str, dict[str, Any]], tuple[st
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
-        def rename_hf(key: str, expected: dict[str, Any]) -> tuple[str, bool]:
+        def rename_hf(key: str, expected: dict[str, Any]) -> tuple[str, Any]:
             new, pattern = rename_source_key(key, renamings, converters, prefix, expected)
             if new not in expected and key in expected:
                 new, pattern = rename_source_key(key, [], [], prefix, expected)
-            return new, pattern is not None
+            if pattern is None:
+                return new, None
+            owner = next((c for c in converters if pattern in c.source_patterns), None)
+            return new, (owner, pattern)
 
         return rename_hf
 
-    def rename(key: str, expected: dict[str, Any]) -> tuple[str, bool]:
+    def rename(key: str, expected: dict[str, Any]) -> tuple[str, Any]:
         new = _legacy_rename(key)
         if new not in expected and key in expected:
             new = key
@@ -399,7 +411,7 @@ def _renamer(root: nn.Module | None) -> Callable[[str, dict[str, Any]], tuple[st
                 new = stripped
             elif f"{prefix}.{new}" in expected:
                 new = f"{prefix}.{new}"
-        return new, False
+        return new, None
 
     return rename
 
@@ -410,11 +422,41 @@ def _renamer(root: nn.Module | None) -> Callable[[str, dict[str, Any]], tuple[st
 @dataclass
 class Located:
     """Where one model tensor's values are: one or several checkpoint tensors
-    concatenated along ``axis``."""
+    concatenated along ``axis``; or, for merged experts (``experts`` set), one checkpoint
+    tensor per (pattern, expert): block ``[e, segment p]`` of the model's tensor is expert
+    ``e``'s tensor of pattern ``p``, the segments laid along ``axis`` (0 when there is one
+    pattern)."""
 
     model_key: str
     parts: list[tuple[str, tuple[int, ...]]]   # (checkpoint key, shape)
     axis: int
+    experts: list[list[str]] | None = None     # [pattern][expert] -> checkpoint key
+
+
+@dataclass
+class _Merge:
+    """The checkpoint tensors a merged-experts model tensor is made of."""
+
+    converter: Any
+    keys: dict[str, dict[int, str]] = field(default_factory=dict)  # pattern -> expert -> key
+
+    def concat_axis(self) -> int | None:
+        """The axis the patterns are concatenated along (None: one pattern), or -1 when
+        the conversion is not the experts merge torchloom reads."""
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in self.converter.operations]
+        if ops == [("MergeModulelist", 0)]:
+            return None
+        if len(ops) == 2 and ops[0] == ("MergeModulelist", 0) and ops[1][0] == "Concatenate" \
+                and isinstance(ops[1][1], int) and ops[1][1] >= 1:
+            return ops[1][1]
+        return -1
+
+
+def _expert_index(pattern: str, key: str) -> int | None:
+    """The number a ``*`` of ``pattern`` stands for in ``key``."""
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    match = re.search(regex, key)
+    return int(match.group(1)) if match else None
 
 
 class WeightsPlan:
@@ -439,12 +481,18 @@ class WeightsPlan:
         rename = _renamer(root)
         self.by_model_key: dict[str, str] = {}
         self.converted: dict[str, str] = {}
+        self.merges: dict[str, _Merge] = {}
         self.unexpected: list[str] = []
         for ck in source.files:
-            mk, needs_conversion = rename(ck, lookup)
+            mk, conversion = rename(ck, lookup)
             if mk in lookup:
-                if needs_conversion:
+                if conversion is not None:
                     self.converted[mk] = ck
+                    converter, pattern = conversion
+                    index = _expert_index(pattern, ck)
+                    if converter is not None and index is not None:
+                        merge = self.merges.setdefault(mk, _Merge(converter))
+                        merge.keys.setdefault(pattern, {})[index] = ck
                 else:
                     self.by_model_key.setdefault(mk, ck)
             else:
@@ -482,7 +530,7 @@ class WeightsPlan:
             parts = t.parts.get(key)
             if parts is None:
                 if key in self.converted:
-                    self._refuse_conversion(key)
+                    return self._locate_merge(key, full_shape)
                 ck = self.by_model_key.get(key)
                 if ck is None:
                     continue
@@ -520,6 +568,95 @@ class WeightsPlan:
             return Located(key, [(ck, s) for ck, s in zip(found, shapes)], axis)  # type: ignore[misc]
         return None
 
+    def _locate_merge(self, key: str, full_shape: tuple[int, ...]) -> Located:
+        """The merged-experts tensor ``key`` (see :class:`Located`), after checking that
+        the conversion is the experts merge, every expert is there and the shapes make
+        the model's."""
+        merge = self.merges.get(key)
+        axis = merge.concat_axis() if merge is not None else -1
+        if merge is None or axis == -1:
+            self._refuse_conversion(key)
+        assert merge is not None
+        patterns = list(merge.converter.source_patterns)
+        experts = full_shape[0] if full_shape else 0
+        table: list[list[str]] = []
+        for pattern in patterns:
+            found = merge.keys.get(pattern, {})
+            missing = [e for e in range(experts) if e not in found]
+            if missing or len(found) != experts:
+                raise _mismatch(
+                    f"{key!r} merges {experts} experts' tensors, and the checkpoint's "
+                    f"{pattern!r} has experts {sorted(found)}",
+                    {"key": key, "pattern": pattern, "missing_experts": _short(missing),
+                     "path": self.source.path},
+                    "load a checkpoint of the model the schedule was made from (same "
+                    "number of experts)", self.primitive)
+            table.append([found[e] for e in range(experts)])
+        shapes = [self.source.shapes[row[0]] for row in table]
+        seg_axis = (axis or 1) - 1  # the patterns' axis in an expert's tensor
+        total = list(shapes[0])
+        if axis is not None:
+            total[seg_axis] = sum(s[seg_axis] for s in shapes)
+        same = all(self.source.shapes[ck] == shapes[i] for i, row in enumerate(table)
+                   for ck in row) and all(len(s) == len(shapes[0]) and all(
+                       a == b for d, (a, b) in enumerate(zip(s, shapes[0])) if d != seg_axis)
+                       for s in shapes)
+        if not same or (experts, *total) != tuple(full_shape):
+            raise _mismatch(
+                f"the checkpoint's expert tensors do not make the model's {key!r}",
+                {"key": key, "experts": experts, "patterns": patterns,
+                 "checkpoint_shapes": shapes, "model_shape": tuple(full_shape)},
+                "load a checkpoint with the model's configuration (experts, hidden and "
+                "expert sizes)", self.primitive)
+        parts = [(row[0], shapes[i]) for i, row in enumerate(table)]
+        return Located(key, parts, axis or 0, experts=table)
+
+    def _read_merge(self, loc: Located, spec: ShardSpec | None, out: torch.Tensor) -> None:
+        """``read`` of a merged-experts tensor: each (expert, pattern) block's
+        intersection with this rank's ranges, read from that expert's tensor."""
+        assert loc.experts is not None
+        data = out.detach()
+        ndim = data.dim()
+        c = loc.axis if len(loc.experts) > 1 else None
+        segs: list[tuple[int, int]] = []
+        start = 0
+        for _, shape in loc.parts:
+            width = shape[c - 1] if c is not None else 0
+            segs.append((start, width))
+            start += width
+        ranges = list(spec.ranges()) if spec is not None else [(0, None)]
+        axis = spec.axis if spec is not None else None
+        local = 0
+        for lo, hi in ranges:
+            for p, row in enumerate(loc.experts):
+                off, width = segs[p]
+                for e, ck in enumerate(row):
+                    if axis is None:
+                        x, y, begin = 0, 0, 0
+                    elif axis == 0:
+                        x, y, begin = max(lo, e), min(hi, e + 1), e
+                    elif axis == c:
+                        x, y, begin = max(lo, off), min(hi, off + width), off
+                    else:
+                        x, y, begin = lo, hi, 0
+                    if axis is not None and x >= y:
+                        continue
+                    src: tuple[slice, ...] = ()
+                    if axis is not None and axis != 0:
+                        src = (slice(None),) * (axis - 1) + (slice(x - begin, y - begin),)
+                    dest = [slice(None)] * ndim
+                    dest[0] = slice(e, e + 1) if axis != 0 else \
+                        slice(local + e - lo, local + e - lo + 1)
+                    if c is not None and axis != c:
+                        dest[c] = slice(off, off + width)
+                    if axis is not None and axis != 0:
+                        dest[axis] = slice(local + x - lo, local + y - lo)
+                    piece = self.source.read(ck, src)
+                    data[tuple(dest)].copy_(piece.unsqueeze(0))
+                    del piece
+            if axis is not None:
+                local += hi - lo
+
     def _check_shape(self, key: str, ck: str, shape: tuple[int, ...],
                      full_shape: tuple[int, ...]) -> None:
         if tuple(shape) != tuple(full_shape):
@@ -534,6 +671,9 @@ class WeightsPlan:
     def read(self, loc: Located, spec: ShardSpec | None, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (this rank's local shape, any dtype and device) with this rank's
         part of ``loc``: only the ranges of ``spec`` are read (all of it when None)."""
+        if loc.experts is not None:
+            self._read_merge(loc, spec, out)
+            return out
         offsets = []
         start = 0
         for _, shape in loc.parts:
