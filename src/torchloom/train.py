@@ -302,16 +302,20 @@ def _has_builtin_schedule(model: nn.Module) -> bool:
 
 
 def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
+    """The built-in schedule with the run's knobs; a pipeline checkpoints its layers after
+    the stages are cut (:meth:`_Run.build_pipeline`), since tracing stops at checkpointed
+    layers."""
+    ckpt_ratio = cfg.ckpt_ratio if cfg.pp == 1 else 0.0
     if _has_builtin_schedule(sch.mod):
         knobs: dict[str, Any] = {"tp": cfg.tp > 1}
         if cfg.sequence_parallel:
             knobs["sequence_parallel"] = True
-        if cfg.ckpt_ratio:
-            knobs["ckpt_ratio"] = cfg.ckpt_ratio
+        if ckpt_ratio:
+            knobs["ckpt_ratio"] = ckpt_ratio
         models.apply_schedule(sch, **knobs)
-    elif cfg.ckpt_ratio:
+    elif ckpt_ratio:
         for path in layer_lists(sch.mod):
-            sch[path].checkpoint(ratio=cfg.ckpt_ratio)
+            sch[path].checkpoint(ratio=ckpt_ratio)
 
 
 _GROWN = frozenset({"gpt2", "bert", "llama"})
@@ -853,6 +857,8 @@ class _Run:
         per_stage = count // cfg.pp
         for stage in range(cfg.pp - 1):
             sch[f"{layers}.{(stage + 1) * per_stage - 1}"].cut_pipeline_stage()
+        if cfg.ckpt_ratio:  # after the trace: it stops at checkpointed layers
+            sch[layers].checkpoint(ratio=cfg.ckpt_ratio)
         if cfg.model_kind != "zoo":
             torch.manual_seed(cfg.seed)
         pipe, _ = build(sch, target="pipeline", mesh=self.mesh, schedule="1F1B",

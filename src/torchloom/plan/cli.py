@@ -88,10 +88,6 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
                      f"{layout.param_dtype}"
     if layout.mixed_precision not in (None, "bf16"):
         return None, f"torchloom train has no {layout.mixed_precision} autocast"
-    if layout.pp > 1 and layout.ckpt_ratio:
-        return None, ("torchloom train applies checkpoints before cutting the stages, and "
-                      "trace_until cannot reach checkpointed layers (--pp with --ckpt-ratio "
-                      "fails in this version)")
     if layout.stage_cuts is not None:
         return None, "torchloom train splits the layers evenly"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
