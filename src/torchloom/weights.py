@@ -25,8 +25,9 @@ transformers 5 applies to per-expert checkpoints (``MergeModulelist(dim=0)`` ove
 experts, then optionally ``Concatenate`` of the patterns, e.g. Mixtral's ``w1`` and ``w3``
 into ``experts.gate_up_proj``): each block of the merged tensor comes from one expert's
 tensor, and only the blocks and ranges of this rank's shard are read. Any other conversion
-is refused with :class:`~torchloom.state.CheckpointMismatchError`. Tied tensors (one tensor object under
-several keys) are read once, from the first of their keys the checkpoint holds.
+is refused with :class:`~torchloom.state.CheckpointMismatchError`. Tied tensors (one tensor
+object under several keys) are read once, from the first of their keys the checkpoint
+holds.
 
 How a tensor is read. Only this rank's part: for a tensor sharded with
 :class:`~torchloom.meta.ShardSpec` the ranges of :meth:`~torchloom.meta.ShardSpec.ranges`

@@ -55,7 +55,8 @@ def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
 def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one rank (see the module docstring). ``config``: ``model``, ``size``,
     ``layout`` (a :meth:`Layout.to_dict`), ``warmup`` (default 2), ``timed`` (default 0),
-    ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
+    ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns
+    ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts`` and ``step_s`` (the timed steps)."""
     from .. import models
     from ..build import build, init_empty_weights
