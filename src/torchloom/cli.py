@@ -398,6 +398,16 @@ def _start_group(device: str, timeout: float) -> None:
         init_distributed("nccl" if device == "cuda" else "gloo", timeout)
 
 
+def _end_group() -> None:
+    """Every rank of a torchrun launch finished: wait for the others, then close the group,
+    so that no rank exits while a peer still holds a connection to it (a gloo process
+    whose peers left first could abort at exit: "terminate called without an active
+    exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def _train_default(name: str) -> Any:
     from .jobconfig import TrainConfig
 
@@ -513,15 +523,18 @@ def train(
         torch.set_num_threads(cfg.threads)
     elif world == 1 or launch.under_torchrun():
         torch.set_num_threads(max(1, _available_cores() // max(1, world)))
+    rank = 0
     if launch.under_torchrun():
         _start_group(cfg.device, cfg.timeout)
-        results = [train_rank_cli(torch.distributed.get_rank(), run)]
+        rank = torch.distributed.get_rank()
+        results = [train_rank_cli(rank, run)]
+        _end_group()
     else:
         results = launch.run_ranks(train_rank_cli, world, run, timeout_s=cfg.timeout)
     # the failing rank's own error first (a ScheduleError's message in full); exit 2
     launch.raise_first_failure(results, command="torchloom train")
     result = results[0]
-    if launch.under_torchrun() and torch.distributed.get_rank() != 0:
+    if rank != 0:
         return
     if "resumed_step" in result:
         done = result["resumed_step"]
