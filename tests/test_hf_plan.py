@@ -145,7 +145,15 @@ def test_styles_become_the_expected_primitives():
     assert "sch['model.layers.0.mlp.down_proj'].sync('fwd_pre', 'scatter', axis=-1)" in phi
     qwen = _lines(_scheduled(qwen3))  # per-head norms
     assert "sch['model.layers.0.self_attn.q_norm'].sync('param_grad', 'all_reduce')" in qwen
-    moe = _lines(_scheduled(mixtral))  # experts split within, [gate_r | up_r] per rank
+    # experts split within, [gate_r | up_r] per rank (the plan transformers 5.24 declared
+    # for Mixtral; 5.25 plans its attention only)
+    moe_plan = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                "model.layers.*.mlp.experts.down_proj": "rowwise",
+                "model.layers.*.mlp.experts": "moe_tp_experts"}
+    model = mixtral()
+    moe_sch = tl.create_schedule(model)
+    from_hf_plan(moe_sch, plan={**tp_plan_of(model), **moe_plan})
+    moe = _lines(moe_sch)
     experts = "model.layers.0.mlp.experts"
     for line in [f"sch['{experts}'].shard('gate_up_proj', 1, chunks=2)",
                  f"sch['{experts}'].shard('down_proj', 2)",

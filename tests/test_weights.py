@@ -422,10 +422,14 @@ def test_tp_ranks_read_only_their_blocks_of_merged_experts(tmp_path, fake_world)
     folder = saved(tmp_path, transformers.MixtralForCausalLM, mixtral_cfg())
     ref = transformers.MixtralForCausalLM.from_pretrained(folder)
     fake_world(2, 1)
-    # each expert split within (the derived schedule: gate_up along its rows in two
-    # blocks, down along its columns)
+    # each expert split within, as the derived schedule of a plan with moe_tp_experts
+    # does it: gate_up along its rows in two blocks ([gate_r | up_r]), down along its
+    # columns
     model = meta_from(folder)
-    models.apply_schedule(tl.create_schedule(model), tp=True)
+    sch = tl.create_schedule(model)
+    for i in range(2):
+        sch[f"model.layers.{i}.mlp.experts"].shard("gate_up_proj", 1, chunks=2)
+        sch[f"model.layers.{i}.mlp.experts"].shard("down_proj", 2)
     spec = tl.shard_spec(model.model.layers[0].mlp.experts.gate_up_proj)
     assert (spec.axis, spec.chunks) == (1, 2)
     loaded(model, folder)
