@@ -3,7 +3,7 @@
 The model (Llama-2-70B's shape by default: hidden 8192, intermediate 28672, 80 layers, 64
 heads, 8 KV heads, vocabulary 32000) is constructed under ``tl.init_empty_weights()``,
 traced down to its layers with dummy inputs made from the config (``trace_until``), cut
-into ``--stages`` equal pipeline stages and split (``torchloom.pipeline.split_stages``,
+into ``--stages`` equal pipeline stages and split (``torchloom.runtime.pipeline.split_stages``,
 the liveness analysis ``build(target="pipeline")`` runs), all on fake tensors. Reported:
 the parameter count, the time of each phase and the peak anonymous memory above the
 start (``RssAnon`` from ``/proc/self/status``, sampled in a thread).
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     import torchloom as tl
-    from torchloom.pipeline import split_stages
+    from torchloom.runtime.pipeline import split_stages
 
     start = rss_anon()
     peak = [start]

@@ -35,7 +35,7 @@ import statistics
 import time
 from typing import Any
 
-from torchloom.launch import raise_first_failure, run_ranks
+from torchloom.runtime.launch import raise_first_failure, run_ranks
 from torchloom.plan import Layout, measure_local, predict
 from torchloom.plan.validate import check_prediction, measure_many
 

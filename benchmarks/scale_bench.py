@@ -3,7 +3,7 @@
 A Llama of 1.68 B parameters (hidden 4096, intermediate 11008 (transformers' default),
 8 layers, 32 heads, 8 KV heads, vocabulary 32000, fp32) is constructed under
 ``tl.init_empty_weights()`` (``AutoModelForCausalLM.from_config``), scheduled with the
-built-in tensor-parallel schedule (``torchloom.models.apply_schedule(sch, tp=True)``) for 8
+built-in tensor-parallel schedule (``torchloom.schedules.apply_schedule(sch, tp=True)``) for 8
 ranks, and built as rank 0 of a ``fake`` process group of 8 in one process
 (``torch.testing._internal.distributed.fake_pg``: the collectives do nothing). Three
 modes, each in a fresh subprocess so that peaks do not mix:
@@ -176,14 +176,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import torchloom as tl
-    from torchloom import models
+    from torchloom import schedules
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
     config = make_config(args)
     model = meta_model(config)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     full_bytes: dict[str, int] = {}
     params = 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:

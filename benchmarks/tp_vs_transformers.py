@@ -12,7 +12,7 @@ written with ``save_pretrained`` to a temporary folder. Then, on 2 CPU processes
   that is already initialised (it would initialise one from torchrun's ``RANK`` /
   ``LOCAL_RANK`` / ``WORLD_SIZE`` otherwise; the ranks set those variables too);
 * **torchloom**: the model class built under ``tl.init_empty_weights()``,
-  ``models.apply_schedule(sch, tp=True)`` (the hand-written schedule where one exists,
+  ``schedules.apply_schedule(sch, tp=True)`` (the hand-written schedule where one exists,
   Llama, otherwise the one derived from the same plan), ``tl.build(sch, weights=folder)``:
   each rank reads its slices.
 
@@ -143,7 +143,7 @@ def _counted_step(model: nn.Module, opt: torch.optim.Optimizer,
     torchloom's own count of what it issued (a cross-check)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from torchloom.collectives import count_collectives
+    from torchloom.runtime.collectives import count_collectives
 
     counts: dict[str, Any] = {}
     opt.zero_grad(set_to_none=True)
@@ -189,8 +189,8 @@ def _load_torchloom(folder: str, model_class: str, config: Any, sp: bool
     mixture-of-experts checkpoint whose expert tensors transformers converts when it
     loads them), ``from_pretrained`` on every rank, then schedule and build."""
     import torchloom as tl
-    from torchloom import models
-    from torchloom.state import CheckpointMismatchError
+    from torchloom import schedules
+    from torchloom.runtime.state import CheckpointMismatchError
 
     cls = zoo_sweep.model_class_of(model_class)
     knobs = {"tp": True, "sequence_parallel": True} if sp else {"tp": True}
@@ -198,8 +198,8 @@ def _load_torchloom(folder: str, model_class: str, config: Any, sp: bool
     def scheduled(model: nn.Module) -> tuple[Any, str]:
         model.train()
         sch = tl.create_schedule(model)
-        models.apply_schedule(sch, **knobs)
-        return sch, models.schedule_for(model).__name__
+        schedules.apply_schedule(sch, **knobs)
+        return sch, schedules.schedule_for(model).__name__
 
     with tl.init_empty_weights():
         meta = cls(config)
@@ -236,7 +236,7 @@ def _run_family(job: dict[str, Any], args: argparse.Namespace, rank: int) -> dic
                                                  args.sp)
     load_tl = _max_over_ranks(time.perf_counter() - start)
     models = {"transformers": hf, "torchloom": tl_model}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=args.lr) for k, m in models.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=args.lr) for k, m in schedules.items()}
     runs: dict[str, dict[str, Any]] = {
         k: {"losses": [], "times_ms": [], "load_s": t}
         for k, t in (("transformers", load_hf), ("torchloom", load_tl))}
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError:
         raise SystemExit("error: transformers' tensor parallelism needs accelerate: "
                          "pip install accelerate") from None
-    from torchloom.launch import free_port
+    from torchloom.runtime.launch import free_port
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

@@ -14,7 +14,7 @@ optimum, the exhaustive run's best point, was first measured, trials that ran ov
 budget, which must be 0 because the cost model prunes them, best point, best throughput,
 time), and the memory cost model's error against the measured peak for every
 configuration that ran. Predicted: one training step on fake tensors, every storage
-followed from creation to release (``torchloom.tune.memory``). Measured: the same
+followed from creation to release (``torchloom.runtime.memory``). Measured: the same
 following on real tensors over a real step (``TrainEvaluator``). For contrast the table
 also shows the naive steady sum (parameters + gradients + AdamW state + saved
 activations), which misses the recomputation of checkpointed layers in backward.

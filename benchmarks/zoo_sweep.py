@@ -13,7 +13,7 @@ model whose text config carries the plan) the sweep
    sub-configs; token ids beyond the shrunk vocabulary are moved to its top);
 2. trains a copy of it for 3 SGD steps in one process (the reference losses; a family
    whose tiny model does not build or run here is counted separately, with its error);
-3. on 2 gloo ranks applies ``torchloom.models.apply_schedule(sch, tp=True,
+3. on 2 gloo ranks applies ``torchloom.schedules.apply_schedule(sch, tp=True,
    sequence_parallel=True, ckpt_ratio=0.5)`` (or ``hf_plan.from_hf_plan``, ``--schedule``)
    under ``tl.Verify`` (forward and backward against the single-process model); a
    ``ScheduleError`` with sequence parallelism on is retried without it (the ``sp`` column
@@ -716,13 +716,13 @@ def _culprit(err: BaseException) -> str:
 def _apply(sch: Any, schedule: str, sequence_parallel: bool) -> None:
     knobs = dict(tp=True, sequence_parallel=sequence_parallel, ckpt_ratio=0.5)
     if schedule == "hf_plan":
-        from torchloom.models.hf_plan import from_hf_plan
+        from torchloom.schedules.hf_plan import from_hf_plan
 
         from_hf_plan(sch, **knobs)
     else:
-        from torchloom import models
+        from torchloom import schedules
 
-        models.apply_schedule(sch, **knobs)
+        schedules.apply_schedule(sch, **knobs)
 
 
 def run_family(family: Family, schedule: str = "auto", try_sp: bool = True,
@@ -730,7 +730,7 @@ def run_family(family: Family, schedule: str = "auto", try_sp: bool = True,
     """Steps 1-4 of the module docstring on this rank; the row of the table (an exception
     becomes ``stage`` / ``culprit`` / ``error``)."""
     import torchloom as tl
-    from torchloom.errors import ScheduleError
+    from torchloom.core.errors import ScheduleError
 
     row: dict[str, Any] = {"family": family.name, "model_class": family.model_class,
                            "plan_in": family.plan_in, "status": "failed", "stage": "build",
@@ -855,7 +855,7 @@ def _merge(rows: list[dict[str, Any] | None]) -> tuple[dict[str, Any], bool]:
 def sweep(families: list[Family], args: argparse.Namespace,
           log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run ``families`` on two ranks; the merged rows in order."""
-    from torchloom.launch import free_port
+    from torchloom.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     rows: list[dict[str, Any]] = []
@@ -1011,8 +1011,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one family may take (and the collective timeout)")
     p.add_argument("--schedule", choices=("auto", "hf_plan"), default="auto",
-                   help="auto: torchloom.models.apply_schedule (the hand-written schedule "
-                   "where one exists); hf_plan: models.hf_plan.from_hf_plan for every family")
+                   help="auto: torchloom.schedules.apply_schedule (the hand-written schedule "
+                   "where one exists); hf_plan: schedules.hf_plan.from_hf_plan for every family")
     p.add_argument("--no-sp", action="store_true", help="never try sequence parallelism")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from torchloom.rng import get_rng_tracker
+from torchloom.runtime.rng import get_rng_tracker
 
 
 @pytest.fixture(autouse=True)

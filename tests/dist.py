@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchloom.launch import free_port
+from torchloom.runtime.launch import free_port
 
 Check = Callable[[int], None]
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import torchloom as tl
 from tests import tiny
 from tests.dist import spawn
-from torchloom.errors import BuildError
+from torchloom.core.errors import BuildError
 
 
 def _tp_gpt2(rank: int, skip_sync: bool = False) -> tl.Schedule:

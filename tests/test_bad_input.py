@@ -19,8 +19,8 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from tests.bad_input_cases import collect
-from torchloom.errors import BuildError, RecipeError
-from torchloom.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.core.errors import BuildError, RecipeError
+from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
 
 
 def _gpt2() -> tl.Schedule:
@@ -192,15 +192,15 @@ def annotate_reserved_key():
 
 
 def sequence_parallel_without_tp():
-    from torchloom import models
+    from torchloom import schedules
 
-    models.apply_schedule(_gpt2(), sequence_parallel=True)
+    schedules.apply_schedule(_gpt2(), sequence_parallel=True)
 
 
 def no_builtin_schedule():
-    from torchloom import models
+    from torchloom import schedules
 
-    models.apply_schedule(_mlp(), tp=True)
+    schedules.apply_schedule(_mlp(), tp=True)
 
 
 # ---- build -------------------------------------------------------------------------------

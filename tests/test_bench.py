@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from torchloom.bench import (
+from torchloom.apps.bench import (
     VARIANTS,
     BenchConfig,
     _candidates,
@@ -20,8 +20,8 @@ from torchloom.bench import (
     largest_batch,
     run_bench,
 )
-from torchloom.cli import app
-from torchloom.errors import ScheduleError
+from torchloom.apps.cli import app
+from torchloom.core.errors import ScheduleError
 
 KEYS = {"model", "variant", "tokens_per_s", "peak_activation_bytes", "mfu"}
 

@@ -12,9 +12,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import torchloom as tl
-from torchloom.build import build, init_empty_weights
-from torchloom.errors import BuildError
-from torchloom.meta import ShardSpec, get_meta, shard_spec
+from torchloom.runtime.build import build, init_empty_weights
+from torchloom.core.errors import BuildError
+from torchloom.core.meta import ShardSpec, get_meta, shard_spec
 
 SEED = 7
 
@@ -676,13 +676,13 @@ def fake_rank1():
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_tp_rank_from_meta_equals_the_slices_of_the_unsharded_init(name, fake_rank1):
-    from torchloom import models
+    from torchloom import schedules
 
     cls, cfg = HF_MODELS[name]
     whole = built(meta(lambda: cls(cfg())))  # same seed, no schedule
     model = meta(lambda: cls(cfg()))
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True)  # GPT-2: c_attn chunks=3, tied wte / lm_head
+    schedules.apply_schedule(sch, tp=True)  # GPT-2: c_attn chunks=3, tied wte / lm_head
     torch.manual_seed(SEED)
     build(sch)
     ref = state(whole)

@@ -23,8 +23,8 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torchloom as tl
-from torchloom import models
-from torchloom.tune.memory import LiveBytes
+from torchloom import schedules
+from torchloom.runtime.memory import LiveBytes
 
 WORLD, RANK = 4, 1
 SLACK = 4096  # rotary buffers and other small temporaries
@@ -48,7 +48,7 @@ def scheduled() -> tuple[nn.Module, tl.Schedule]:
     with tl.init_empty_weights():
         model = transformers.LlamaForCausalLM(config())
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     return model, sch
 
 

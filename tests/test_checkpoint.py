@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import torchloom as tl
-from torchloom.errors import CheckpointError, ScheduleError
+from torchloom.core.errors import CheckpointError, ScheduleError
 from torchloom.primitives import checkpoint as ckpt_mod
 
 transformers = pytest.importorskip("transformers")
@@ -421,7 +421,7 @@ def test_kv_cache_in_training_is_turned_off_with_one_warning():
     # (was refused with a CheckpointError; a default transformers config makes a cache in
     # training, so the layer now runs without it, as transformers' gradient checkpointing
     # does; tests/test_defaults.py covers default configs and prefilled caches)
-    from torchloom import tracing
+    from torchloom.graph import tracing
 
     tracing._WARNED.clear()
     model = tiny_gpt2()

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 import torchloom as tl
-from torchloom.cli import app
+from torchloom.apps.cli import app
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom import collectives as C
+from torchloom.runtime import collectives as C
 
 WORLD = 2
 
@@ -114,7 +114,7 @@ def _check_megatron_mlp(rank: int) -> None:
 
 
 def _check_uneven_split_is_a_schedule_error(rank: int) -> None:
-    from torchloom.errors import CollectiveShapeError
+    from torchloom.core.errors import CollectiveShapeError
 
     x = torch.ones(2, 3)
     with pytest.raises(CollectiveShapeError, match=r"^scatter\(\.\.\.\): cannot split axis 1 of "

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom import zoo
-from torchloom.errors import CompileError
-from torchloom.testing import verify_recipe_roundtrip
-from torchloom.tune.memory import count_saved
+from torchloom.schedules import zoo
+from torchloom.core.errors import CompileError
+from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.runtime.memory import count_saved
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

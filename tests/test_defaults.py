@@ -28,9 +28,10 @@ import torch.nn.functional as F
 import transformers
 
 import torchloom as tl
-from torchloom import models, tracing
-from torchloom.errors import CheckpointError, TraceError, TraceGuardError
-from torchloom.pipeline import replay_stages, split_stages
+from torchloom import schedules
+from torchloom.graph import tracing
+from torchloom.core.errors import CheckpointError, TraceError, TraceGuardError
+from torchloom.runtime.pipeline import replay_stages, split_stages
 
 VOCAB = 128
 
@@ -122,7 +123,7 @@ def test_builtin_schedule_at_ratio_half_trains_like_the_model(name):
     assert getattr(model.config, "use_cache", False) is (name != "vit")
     reference = copy.deepcopy(model)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, ckpt_ratio=0.5)
     assert sch.recipe[-1].call_text() == f"sch[{LAYERS[name]!r}].checkpoint(ratio=0.5)"
     inputs = batch(name)
     with warnings.catch_warnings(record=True) as caught:
@@ -213,7 +214,7 @@ def test_trace_until_the_layers_trains_like_the_model(name):
     assert_same(got, step(reference, inputs), exact=name not in INEXACT)
     if name == "t5":  # exact against the model run without its cache
         assert_same(got, step(reference, {**inputs, "use_cache": False}))
-    models.apply_schedule(sch, ckpt_ratio=0.5)  # the built-in schedule on the traced model
+    schedules.apply_schedule(sch, ckpt_ratio=0.5)  # the built-in schedule on the traced model
     assert_same(step(model, inputs), got)
 
 
@@ -342,6 +343,6 @@ def test_verify_a_traced_checkpointed_and_cut_default_model(name):
     verify = tl.Verify(sch, inputs, rtol=0, atol=0)
     with verify:
         sch.trace_until(f"{LAYERS[name]}.*", example_inputs=inputs)
-        models.apply_schedule(sch, ckpt_ratio=0.5)
+        schedules.apply_schedule(sch, ckpt_ratio=0.5)
         sch[f"{LAYERS[name]}.0"].cut_pipeline_stage()
     assert verify.stats["forward output"] > 20 and verify.stats["parameter gradient"] > 20

@@ -17,7 +17,7 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from tests.test_replace import make_explicit_mlp
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 class SelfAttentionOutput(nn.Module):

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchloom as tl
-import torchloom.pattern as P
+import torchloom.graph.pattern as P
 from tests import tiny
 from tests.test_trace import llama
-from torchloom.errors import PatternError, TraceError
+from torchloom.core.errors import PatternError, TraceError
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom.errors import RngError, ScheduleError
+from torchloom.core.errors import RngError, ScheduleError
 from torchloom.primitives import checkpoint as ckpt_mod
 from torchloom.primitives.fork_rng import _device_of
-from torchloom.rng import RngStatesTracker, get_rng_tracker, set_random_seed
+from torchloom.runtime.rng import RngStatesTracker, get_rng_tracker, set_random_seed
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

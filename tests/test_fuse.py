@@ -13,9 +13,15 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.errors import CheckpointError, FuseError, PatternError, RecipeError, ReplaceError
+from torchloom.core.errors import (
+    CheckpointError,
+    FuseError,
+    PatternError,
+    RecipeError,
+    ReplaceError,
+)
 from torchloom.primitives.fuse import FusedModule
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -58,8 +58,9 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom import models, zoo
-from torchloom.rng import get_rng_tracker, set_random_seed
+from torchloom import schedules
+from torchloom.schedules import zoo
+from torchloom.runtime.rng import get_rng_tracker, set_random_seed
 
 DEVICE = os.environ.get("TORCHLOOM_TEST_DEVICE", "cuda")
 HAVE_DEVICE = DEVICE == "cpu" or (DEVICE.startswith("cuda") and torch.cuda.is_available())
@@ -135,7 +136,7 @@ def test_scheduled_model_on_cuda_matches_the_cpu_model(name: str, kind: str) -> 
     ref_loss, ref_logits, ref_grads = run(reference, inputs, "cpu")
 
     sch = tl.create_schedule(scheduled)
-    models.apply_schedule(sch, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, ckpt_ratio=0.5)
     built, _opt = tl.build(sch)
     built = built.to(DEVICE).train()
     with precision(kind):
@@ -232,7 +233,7 @@ def test_build_from_meta_straight_to_cuda() -> None:
     with tl.init_empty_weights():
         model = transformers.GPT2LMHeadModel(config)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, ckpt_ratio=0.5)
     device = torch.device(DEVICE)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -275,7 +276,7 @@ def test_build_with_weights_straight_to_cuda_gives_from_pretrained_logits(tmp_pa
     with tl.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, ckpt_ratio=0.5)
     built, _opt = tl.build(sch, weights=str(tmp_path / "llama"), device=DEVICE)
     assert all(p.device.type == torch.device(DEVICE).type for p in built.parameters())
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -296,7 +297,7 @@ def test_compile_on_cuda() -> None:
     eager = make("llama").to(DEVICE)
     compiled = copy.deepcopy(eager)
     sch = tl.create_schedule(compiled)
-    models.apply_schedule(sch, compile=True, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, compile=True, ckpt_ratio=0.5)
     compiled, _opt = tl.build(sch)
     inputs = zoo.example_inputs("llama", eager, batch_size=4, seq_len=64, seed=2)
     graphs = counters["stats"]["unique_graphs"]
@@ -354,7 +355,7 @@ def test_the_gpu_bench_size_is_well_formed() -> None:
     """``torchloom bench --size gpu``: every model constructs (on meta), its sequence fits
     its positions, its checkpoint grid is sorted within [0, 1], and it is large enough
     to fill a GPU (hundreds of millions of parameters)."""
-    from torchloom import bench
+    from torchloom.apps import bench
 
     for name, spec in bench.SIZES["gpu"].items():
         model = bench._make(name, "gpu", 0, "meta")

@@ -34,10 +34,10 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom import models
-from torchloom.check import check
-from torchloom.collectives import count_collectives
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom import schedules
+from torchloom.tools.check import check
+from torchloom.runtime.collectives import count_collectives
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 WORLD = 4
 LAYERS = 2
@@ -85,7 +85,7 @@ def _train_and_compare(name: str, kv: int, sp: bool, rank: int, group=None) -> n
     reference = llama(kv)
     model = copy.deepcopy(reference)
     sch = tl.create_schedule(model, group=group)
-    models.apply_schedule(sch, tp=True, sequence_parallel=sp)
+    schedules.apply_schedule(sch, tp=True, sequence_parallel=sp)
     assert check(sch).ok, check(sch)
     model, _ = tl.build(sch)
     batch = _batch()
@@ -136,9 +136,9 @@ def _check_replicated_kv(rank: int) -> None:
     _train_and_compare("kv2-tp4", 2, False, rank)
     _train_and_compare("kv2-tp4-sp", 2, True, rank)
     sch = tl.create_schedule(llama(2))
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     text = str(sch.recipe)
-    assert "self_attn'].replace(torchloom.models.llama.replicate_kv_heads)" in text
+    assert "self_attn'].replace(torchloom.schedules.llama.replicate_kv_heads)" in text
     assert "k_proj.grad_sum'].sync('bwd_post', 'all_reduce')" in text
     verify_recipe_roundtrip(sch, lambda: llama(2), _batch())
 
@@ -158,7 +158,7 @@ def _check_meta_build_and_checkpoint(rank: int) -> None:
     with tl.init_empty_weights():
         model = transformers.LlamaForCausalLM(config(2))
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     model, _ = tl.build(sch)
     k_proj = model.model.layers[0].self_attn.k_proj.weight
     assert tuple(k_proj.shape) == (8, 64) and tl.shard_spec(k_proj).full_shape == (16, 64)
@@ -178,7 +178,7 @@ def _check_meta_build_and_checkpoint(rank: int) -> None:
     with tl.init_empty_weights():
         local = transformers.LlamaForCausalLM(config(2))
     sch = tl.create_schedule(local)
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     local, _ = tl.build(sch, init="local")
     for module in (local.model.layers[0].self_attn.k_proj, local.model.layers[1].self_attn.v_proj):
         weight = module.weight.detach().contiguous()
@@ -198,7 +198,7 @@ def _check_meta_build_and_checkpoint(rank: int) -> None:
             torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
         again = transformers.LlamaForCausalLM(config(2))
         sch = tl.create_schedule(again)
-        models.apply_schedule(sch, tp=True)
+        schedules.apply_schedule(sch, tp=True)
         again, _ = tl.build(sch)
         tl.load(again, None, ckpt)
         for (key, value), mine in zip(again.state_dict().items(), model.state_dict().values()):

@@ -3,7 +3,7 @@
 What the derived schedule records for each style (the recipe), that it is an ordinary
 recipe (prints, JSON round trip, replays with ``apply_recipe``), the knobs, that in a
 world of one it leaves every output and gradient of several families bit for bit
-unchanged (``Verify`` with zero tolerance), that ``models.apply_schedule`` falls back to
+unchanged (``Verify`` with zero tolerance), that ``schedules.apply_schedule`` falls back to
 it, and Verify's static check on a column-parallel output resharded to the sequence
 layout. The two-rank checks are in test_hf_plan_dist.py; the refusals in
 bad_input_cases/hf_plan.py.
@@ -37,10 +37,11 @@ from tests.test_hf_plan_dist import (
     text,
     ultrabert,
 )
-from torchloom import models, zoo
-from torchloom.check import check
-from torchloom.models.gpt2 import schedule_gpt2
-from torchloom.models.hf_plan import (
+from torchloom import schedules
+from torchloom.schedules import zoo
+from torchloom.tools.check import check
+from torchloom.schedules.gpt2 import schedule_gpt2
+from torchloom.schedules.hf_plan import (
     MlaKvAProjection,
     PlanError,
     expand_plan,
@@ -48,8 +49,8 @@ from torchloom.models.hf_plan import (
     layer_stacks,
     tp_plan_of,
 )
-from torchloom.models.llama import schedule_llama
-from torchloom.pipeline import cut_paths
+from torchloom.schedules.llama import schedule_llama
+from torchloom.runtime.pipeline import cut_paths
 
 
 def _lines(sch: tl.Schedule) -> list[str]:
@@ -89,7 +90,7 @@ def test_llama_recipe_lists_the_plan_as_primitives():
 def test_the_recipe_prints_round_trips_and_replays():
     sch = _scheduled(llama, sequence_parallel=True, ckpt_ratio=0.5)
     script = str(sch.recipe)
-    assert "torchloom.models.hf_plan.vocab_ids_local" in script
+    assert "torchloom.schedules.hf_plan.vocab_ids_local" in script
     again = tl.Recipe.from_json(sch.recipe.to_json())
     assert again == sch.recipe
     torch.manual_seed(0)
@@ -166,7 +167,7 @@ def test_styles_become_the_expected_primitives():
     assert "sch['model.embed_tokens'].shard('weight', 0, tied=True)" in tied
     assert not any(line.startswith("sch['lm_head'].shard") for line in tied)
     bert = _lines(_scheduled(ultrabert))  # the padding row moves to its owner's slice
-    assert "sch['model.embed_tokens'].replace(torchloom.models.hf_plan.localise_padding_idx)" \
+    assert "sch['model.embed_tokens'].replace(torchloom.schedules.hf_plan.localise_padding_idx)" \
         in bert
     sch = _scheduled(minicpm3)  # latent attention: the rotary part's gradient summed
     attn = "model.layers.0.self_attn"
@@ -193,16 +194,16 @@ def test_knobs():
 
 
 def test_apply_schedule_falls_back_to_the_plan():
-    assert models.schedule_for(qwen2()).__name__ == "schedule_hf_plan"
-    assert models.schedule_for(llama()) is schedule_llama  # hand-written ones stay
-    assert models.schedule_for(zoo.make_model("gpt2")) is schedule_gpt2
+    assert schedules.schedule_for(qwen2()).__name__ == "schedule_hf_plan"
+    assert schedules.schedule_for(llama()) is schedule_llama  # hand-written ones stay
+    assert schedules.schedule_for(zoo.make_model("gpt2")) is schedule_gpt2
     sch = tl.create_schedule(qwen2())
-    models.apply_schedule(sch)  # tp off by default, as in every built-in schedule
+    schedules.apply_schedule(sch)  # tp off by default, as in every built-in schedule
     assert not sch.recipe
-    models.apply_schedule(sch, tp=True, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5)
     assert any(e.primitive == "shard" for e in sch.recipe)
     with pytest.raises(tl.ScheduleError, match="there is no built-in schedule for Sequential"):
-        models.schedule_for(nn.Sequential(nn.Linear(2, 2)))
+        schedules.schedule_for(nn.Sequential(nn.Linear(2, 2)))
 
 
 def test_a_refused_plan_changes_nothing():

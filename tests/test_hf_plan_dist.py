@@ -1,7 +1,7 @@
 """Schedules derived from transformers' parallel plans, at TP=2 on two gloo ranks.
 
 For each family below (transformers' default config, only sizes changed): the derived
-schedule (:func:`torchloom.models.hf_plan.from_hf_plan`, checkpoint ratio 0.5, sequence
+schedule (:func:`torchloom.schedules.hf_plan.from_hf_plan`, checkpoint ratio 0.5, sequence
 parallelism where the plan allows it) is applied inside ``tl.Verify`` (the static check,
 then every module's output, input gradient and parameter gradient against the
 single-process model), then the built model trains two SGD steps whose losses equal the
@@ -29,10 +29,10 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom import models
-from torchloom.collectives import count_collectives
-from torchloom.models.hf_plan import from_hf_plan, tp_plan_of
-from torchloom.models.llama import schedule_llama
+from torchloom import schedules
+from torchloom.runtime.collectives import count_collectives
+from torchloom.schedules.hf_plan import from_hf_plan, tp_plan_of
+from torchloom.schedules.llama import schedule_llama
 
 LAYERS = 2
 DENSE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -194,7 +194,7 @@ def _check_family(rank: int, family: str, make, inputs, sp: bool, plan) -> None:
     if family == "qwen2_mqa":  # the one KV head is replicated, its gradients summed
         lines = [e.call_text() for e in sch.recipe]
         attn = "model.layers.0.self_attn"
-        assert f"sch['{attn}'].replace(torchloom.models.llama.replicate_kv_heads)" in lines
+        assert f"sch['{attn}'].replace(torchloom.schedules.llama.replicate_kv_heads)" in lines
         assert f"sch['{attn}.k_proj.grad_sum'].sync('bwd_post', 'all_reduce')" in lines
 
     model, _ = tl.build(sch)
@@ -217,13 +217,13 @@ def _check_families(rank: int) -> None:
 
 
 def _check_apply_schedule(rank: int) -> None:
-    """models.apply_schedule picks the derived schedule for a class without a
+    """schedules.apply_schedule picks the derived schedule for a class without a
     hand-written one (Qwen2), with the built-in schedules' knobs."""
     torch.manual_seed(0)
     sch = tl.create_schedule(qwen2())
     with tl.Verify(sch, text()):
-        models.apply_schedule(sch, tp=True, sequence_parallel=True, ckpt_ratio=1.0)
-    assert models.schedule_for(sch.mod).__name__ == "schedule_hf_plan"
+        schedules.apply_schedule(sch, tp=True, sequence_parallel=True, ckpt_ratio=1.0)
+    assert schedules.schedule_for(sch.mod).__name__ == "schedule_hf_plan"
 
 
 def _check_reshard_column(rank: int) -> None:

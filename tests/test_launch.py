@@ -1,6 +1,6 @@
 """Faults end a local launch, and the failing rank's own error is shown first.
 
-Each multi-rank scenario is one :func:`torchloom.launch.run_ranks` launch of two gloo
+Each multi-rank scenario is one :func:`torchloom.runtime.launch.run_ranks` launch of two gloo
 ranks with a short collective timeout (3 s): a rank that hangs (its peer's sync-hook
 collective times out, naming the rank, the collective and the schedule path), a rank that
 raises (through ``torchloom verify``, which exits non-zero showing that rank's exception
@@ -20,8 +20,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 import torchloom as tl
-from torchloom import launch
-from torchloom.errors import CollectiveTimeoutError, RankFailedError
+from torchloom.runtime import launch
+from torchloom.core.errors import CollectiveTimeoutError, RankFailedError
 
 TIMEOUT_S = 3.0
 
@@ -86,7 +86,7 @@ def test_a_hung_rank_ends_the_launch_and_is_named_with_where_it_hung():
 
 def _raise_on_rank_1(rank: int, model_name: str, tp: int, sequence_parallel: bool,
                      ckpt_ratio: float, seed: int) -> dict:
-    """Stands in for ``torchloom.cli.verify_rank``: rank 1 raises at once, rank 0 runs a
+    """Stands in for ``torchloom.apps.cli.verify_rank``: rank 1 raises at once, rank 0 runs a
     scheduled forward whose all-reduce then loses its peer."""
     if rank == 1:
         raise ValueError(f"boom from rank 1 ({model_name}, tp={tp})")
@@ -96,7 +96,7 @@ def _raise_on_rank_1(rank: int, model_name: str, tp: int, sequence_parallel: boo
 
 
 def test_a_raising_rank_is_shown_first_and_the_cli_exits_non_zero(monkeypatch):
-    import torchloom.cli as cli
+    import torchloom.apps.cli as cli
 
     # Ranks are spawned: they unpickle this module-level stand-in by its own name.
     monkeypatch.setattr(cli, "verify_rank", _raise_on_rank_1)

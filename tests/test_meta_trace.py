@@ -19,9 +19,10 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom import models, tracing
-from torchloom.errors import BuildError, TraceError
-from torchloom.pipeline import split_stages, tied_weights
+from torchloom import schedules
+from torchloom.graph import tracing
+from torchloom.core.errors import BuildError, TraceError
+from torchloom.runtime.pipeline import split_stages, tied_weights
 from tests.test_defaults import LAYERS, batch, default_model
 
 
@@ -99,7 +100,7 @@ def test_verify_a_meta_model_materialises_both_from_the_same_seed(name):
     verify = tl.Verify(sch, inputs, **tol)
     with verify:
         sch.trace_until(f"{LAYERS[name]}.*", example_inputs=inputs)
-        models.apply_schedule(sch, ckpt_ratio=0.5)
+        schedules.apply_schedule(sch, ckpt_ratio=0.5)
         sch[f"{LAYERS[name]}.0"].cut_pipeline_stage()
     assert verify.stats["parameter gradient"] == len(list(model.parameters()))
     assert not _real(model)  # put back on meta: build it as planned

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom import models, zoo
-from torchloom.errors import ScheduleError
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom import schedules
+from torchloom.schedules import zoo
+from torchloom.core.errors import ScheduleError
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 # Config overrides that turn off the dropout the modules hold as float attributes.
 NO_DROPOUT = {"opt": {"dropout": 0.0, "attention_dropout": 0.0}, "t5": {"dropout_rate": 0.0},
@@ -75,7 +76,7 @@ def test_schedule_changes_nothing_in_one_process(name, extra, cls):
     model = copy.deepcopy(reference)
     inputs = _inputs(name, reference, cls)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True, ckpt_ratio=0.5)
+    schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5)
     assert any(tl.shard_spec(p) is not None for p in model.parameters())
     assert "checkpoint(ratio=0.5)" in str(sch.recipe)
 
@@ -93,14 +94,14 @@ def test_schedule_changes_nothing_in_one_process(name, extra, cls):
 
 def test_heads_per_rank_factories_are_in_the_recipe():
     sch = tl.create_schedule(_make("t5", {}, None))
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     text = str(sch.recipe)
     assert "relative_attention_bias'].shard('weight', 1)" in text
     assert "EncDecAttention'].sync('bwd_post', 'all_reduce', input_name='key_value_states')" \
         in text
     assert "heads_per_rank" in text
     sch = tl.create_schedule(_make("opt", {}, None))
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     assert "heads_per_rank" in str(sch.recipe)
 
 
@@ -108,9 +109,9 @@ def test_heads_per_rank_factories_are_in_the_recipe():
 def test_sequence_parallel_is_refused_where_it_cannot_work(name):
     sch = tl.create_schedule(_make(name, {}, None))
     with pytest.raises(ScheduleError) as info:
-        models.apply_schedule(sch, tp=True, sequence_parallel=True)
+        schedules.apply_schedule(sch, tp=True, sequence_parallel=True)
     err = info.value
-    assert err.primitive == f"models.schedule_{name}"
+    assert err.primitive == f"schedules.schedule_{name}"
     assert err.values["sequence_parallel"] is True
     assert "without sequence_parallel" in err.fix
     assert len(sch.recipe) == 0  # nothing was applied
@@ -121,7 +122,7 @@ def test_vit_sequence_parallel_in_one_process():
     model = copy.deepcopy(reference)
     inputs = _inputs("vit", reference, None)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True, sequence_parallel=True)
+    schedules.apply_schedule(sch, tp=True, sequence_parallel=True)
     torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits,
                                rtol=0, atol=0)
 
@@ -135,7 +136,7 @@ def test_compile_knob_keeps_outputs_and_gradients(name, extra, cls):
     model = copy.deepcopy(reference)
     inputs = _inputs(name, reference, cls)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile="aot_eager")
+    schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile="aot_eager")
     compiled = [path for path, node in sch.named_schedules()
                 if getattr(node.mod, "_torchloom_compiled", False)]
     layer_paths = [f"{stack}.{i}" for stack in zoo.layer_paths(name)
@@ -162,7 +163,7 @@ def test_kernel_knobs_with_inductor(name):
     model = copy.deepcopy(reference)
     inputs = _inputs(name, reference, None)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, attention="sdpa", fused=True, ckpt_ratio=0.5, compile=True)
+    schedules.apply_schedule(sch, attention="sdpa", fused=True, ckpt_ratio=0.5, compile=True)
     text = str(sch.recipe)
     assert "make_sdpa_" in text and "make_fused_" in text and ".compile('inductor')" in text
     assert list(model.state_dict()) == list(reference.state_dict())
@@ -179,17 +180,17 @@ def test_kernel_knobs_with_inductor(name):
 def test_kernel_knob_errors():
     sch = tl.create_schedule(_make("gpt2", {}, None))
     with pytest.raises(ScheduleError) as info:
-        models.apply_schedule(sch, tp=True, fused=True)
+        schedules.apply_schedule(sch, tp=True, fused=True)
     assert str(info.value).splitlines()[0] == (
         "sch[''].models.schedule_gpt2(...): the fused blocks compute their projections "
         "without calling the projection modules, so tensor parallelism's sync hooks on those "
         "modules would not run")
     assert info.value.fix.startswith("apply_schedule(sch, tp=True, compile=True)")
     with pytest.raises(ScheduleError) as info:
-        models.apply_schedule(sch, attention="flash")
+        schedules.apply_schedule(sch, attention="flash")
     assert info.value.values == {"attention": "flash", "choices": ["model", "sdpa"]}
     with pytest.raises(ScheduleError) as info:
-        models.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile=1)
+        schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile=1)
     assert info.value.values == {"compile": "1"}
     assert info.value.path == ""
     assert len(sch.recipe) == 0
@@ -223,7 +224,7 @@ def test_tp_size_refusals_leave_the_model_unchanged(cls_name, sizes, knobs):
     sch = tl.create_schedule(model)
     sch.world_size = 4 if "Llama" not in cls_name else 2  # what the checks read
     with pytest.raises(ScheduleError, match="does not divide|neither a multiple"):
-        models.apply_schedule(sch, **knobs)
+        schedules.apply_schedule(sch, **knobs)
     assert len(sch.recipe) == 0
     assert [type(m).__name__ for m in model.modules()] == modules
     for key, value in model.state_dict().items():
@@ -237,7 +238,7 @@ def test_gpt2_kernel_replacements_wait_for_the_size_checks():
     sch = tl.create_schedule(model)
     sch.world_size = 3
     with pytest.raises(ScheduleError, match="n_head=4 does not divide by 3"):
-        models.apply_schedule(sch, tp=True, attention="sdpa")
+        schedules.apply_schedule(sch, tp=True, attention="sdpa")
     assert len(sch.recipe) == 0
     assert type(model.transformer.h[0].attn).__name__ == "GPT2Attention"
 
@@ -245,7 +246,7 @@ def test_gpt2_kernel_replacements_wait_for_the_size_checks():
 def test_unknown_knob_lists_the_valid_ones():
     sch = tl.create_schedule(_make("t5", {}, None))
     with pytest.raises(ScheduleError) as info:
-        models.apply_schedule(sch, tp=True, ckpt=0.5)
+        schedules.apply_schedule(sch, tp=True, ckpt=0.5)
     assert info.value.values == {"unknown": ["ckpt"],
                                  "knobs": ["tp", "sequence_parallel", "ckpt_ratio", "compile"]}
     assert info.value.fix == "apply_schedule(sch, ckpt_ratio=0.5)"
@@ -255,7 +256,7 @@ def test_unknown_knob_lists_the_valid_ones():
 def _rank_attention(full: nn.Module, rank: int, world: int) -> nn.Module:
     """Layer 0's attention as rank ``rank`` of ``world`` holds it under the built-in
     schedule's GQA layout (the rank is faked on the nodes, so no process group)."""
-    from torchloom.models.llama import replicate_kv_heads
+    from torchloom.schedules.llama import replicate_kv_heads
 
     model = copy.deepcopy(full)
     sch = tl.create_schedule(model)

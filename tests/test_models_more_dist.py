@@ -18,10 +18,10 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom import zoo
-from torchloom.collectives import count_collectives
-from torchloom.errors import ScheduleError
-from torchloom.models import apply_schedule
+from torchloom.schedules import zoo
+from torchloom.runtime.collectives import count_collectives
+from torchloom.core.errors import ScheduleError
+from torchloom.schedules import apply_schedule
 
 LAYERS = 2  # every tiny zoo model has two layers per stack
 TOL = {"rtol": 1e-5, "atol": 1e-5}

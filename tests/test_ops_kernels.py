@@ -17,8 +17,8 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.errors import ReplaceError
-from torchloom.meta import set_tag
+from torchloom.core.errors import ReplaceError
+from torchloom.core.meta import set_tag
 from torchloom.ops import (
     FusedBiasDropoutResidualLayerNorm,
     FusedBiasGelu,
@@ -36,7 +36,7 @@ from torchloom.ops import (
     make_sdpa_gpt2_attention,
     sdpa_attention,
 )
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom.errors import ScheduleError, ShardError
+from torchloom.core.errors import ScheduleError, ShardError
 from torchloom.ops import (
     VocabParallelEmbedding,
     make_vocab_parallel_embedding,
@@ -50,7 +50,7 @@ def test_embedding_world_of_one_equals_nn_embedding_with_padding():
 
 def test_embedding_keeps_tags_and_negative_padding_idx():
     full = nn.Embedding(8, 2, padding_idx=-1)
-    from torchloom.meta import get_meta, set_tag
+    from torchloom.core.meta import get_meta, set_tag
     set_tag(full.weight, "tag", 7)
     vp = VocabParallelEmbedding.from_embedding(full)
     assert vp.padding_idx == 7 and get_meta(vp.weight).tags["tag"] == 7

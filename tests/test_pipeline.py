@@ -12,7 +12,7 @@ import transformers
 
 import torchloom as tl
 from tests import tiny
-from torchloom.pipeline import check_schedule, cut_paths, split_stages
+from torchloom.runtime.pipeline import check_schedule, cut_paths, split_stages
 
 
 def llama(n_layer: int = 4) -> transformers.LlamaForCausalLM:

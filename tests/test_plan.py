@@ -19,17 +19,10 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 import torchloom as tl
-from torchloom import models, zoo
-from torchloom.plan import (
-    Layout,
-    PlanError,
-    Profile,
-    get_profile,
-    model_spec,
-    predict,
-    search,
-)
-from torchloom.plan.cli import app, train_command
+from torchloom import schedules
+from torchloom.schedules import zoo
+from torchloom.plan import Layout, PlanError, Profile, get_profile, model_spec, predict, search
+from torchloom.apps.plan_cli import app, train_command
 from torchloom.plan.predict import units_for
 from torchloom.plan.units import UnitKey, extrapolate, flop_counter, measure_units
 from torchloom.plan.validate import check_prediction, measure_rank
@@ -96,7 +89,7 @@ def _real_flops(name: str, key: UnitKey) -> int:
     if name == "gpt2":
         model.loss_type = "ForCausalLM"
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, ckpt_ratio=2 / 3)
+    schedules.apply_schedule(sch, ckpt_ratio=2 / 3)
     ids = torch.randint(0, 256, (key.micro_batch, key.seq_len))
     with flop_counter() as counter:
         model(input_ids=ids, labels=ids).loss.backward()

@@ -5,14 +5,14 @@ of every collective (by kind and mesh dimension) equal to the counted ones.
 
 The predictions are made in this process on fake tensors (one measurement of the model
 shortened to three layers per degree); the measurements in one launch per world size
-(torchloom.launch.run_ranks). The full grid is benchmarks/plan_validate.py.
+(torchloom.runtime.launch.run_ranks). The full grid is benchmarks/plan_validate.py.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from torchloom.launch import raise_first_failure, run_ranks
+from torchloom.runtime.launch import raise_first_failure, run_ranks
 from torchloom.plan import Layout, predict
 from torchloom.plan.validate import check_prediction, measure_many
 
@@ -89,7 +89,7 @@ def test_plan_cli_measure_top_trains_the_best_predicted_layout(tmp_path):
 
     from typer.testing import CliRunner
 
-    from torchloom.plan.cli import app
+    from torchloom.apps.plan_cli import app
 
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(app, ["llama", "--gpus", "2", "--dtype", "fp32", "--seq-len",

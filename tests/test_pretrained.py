@@ -103,7 +103,7 @@ def test_same_folder_as_transformers(tmp_path, make, shard_size):
 def test_scheduled_and_trained_model(tmp_path):
     """A model under a (one-process) TP schedule with checkpointing, after a training
     step: the folder holds the trained weights; the loaded model gives the same logits."""
-    from torchloom.models import apply_schedule
+    from torchloom.schedules import apply_schedule
 
     model = gpt2()
     sch = tl.create_schedule(model)

@@ -12,8 +12,8 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from tests.test_replace import make_explicit_mlp, make_tanh_gelu, make_tanh_gelu_at
-from torchloom.recipe import RecipeEntry, import_ref, ref_of
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.core.recipe import RecipeEntry, import_ref, ref_of
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 def test_every_primitive_round_trips():

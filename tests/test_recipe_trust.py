@@ -23,9 +23,9 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from tests.test_replace import make_explicit_mlp
-from torchloom.meta import has_meta
-from torchloom.recipe import MAX_DEPTH, RecipeEntry, resolve_ref
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.core.meta import has_meta
+from torchloom.core.recipe import MAX_DEPTH, RecipeEntry, resolve_ref
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 def _mlp() -> nn.Module:
@@ -110,8 +110,8 @@ def test_a_reference_to_an_untrusted_module_never_imports_it(tmp_path: Path,
 @pytest.mark.parametrize("ref, needle", [
     ("torch.serialization:os.system", "goes through 'os', a module"),
     ("torch.nn.modules.linear:Linear.__init__", "must be 'package.module:Name'"),
-    ("torchloom.recipe:_loaded", "names a private attribute '_loaded'"),
-    ("torchloom.recipe:MAX_DEPTH", "it resolves to a int, not a class or function"),
+    ("torchloom.core.recipe:_loaded", "names a private attribute '_loaded'"),
+    ("torchloom.core.recipe:MAX_DEPTH", "it resolves to a int, not a class or function"),
     ("torch.serialization:closing", "resolves to a class defined in 'contextlib', not a "
      "class or function of torch or torchloom"),
     ("transformers:is_torch_available", "not a class or function of torch or torchloom"),
@@ -128,12 +128,12 @@ def test_what_is_trusted_by_default() -> None:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     from transformers.pytorch_utils import Conv1D
 
-    from torchloom.models.opt import heads_per_rank
+    from torchloom.schedules.opt import heads_per_rank
 
     assert resolve_ref("torch.nn.modules.linear:Linear") is nn.Linear
     assert resolve_ref("torch.nn:GELU") is nn.GELU
     assert resolve_ref("torch._C._nn:gelu") is torch.nn.functional.gelu
-    assert resolve_ref("torchloom.models.opt:heads_per_rank") is heads_per_rank
+    assert resolve_ref("torchloom.schedules.opt:heads_per_rank") is heads_per_rank
     assert resolve_ref("transformers.pytorch_utils:Conv1D") is Conv1D
     assert resolve_ref("transformers.models.gpt2.modeling_gpt2:GPT2Attention") is GPT2Attention
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 class TanhGelu(nn.Module):

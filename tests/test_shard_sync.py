@@ -15,7 +15,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.testing import verify_recipe_roundtrip
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 def _fake_world(node: tl.Schedule, world_size: int, rank: int) -> None:
@@ -337,6 +337,6 @@ def test_conv2d_batchnorm_layernorm_attributes():
     assert model[1].num_features == 4
     assert model[2].normalized_shape == (5, 4)
     assert (model[3].in_channels, model[3].out_channels) == (4, 4)
-    from torchloom.placement import Placement, output_placement
+    from torchloom.core.placement import Placement, output_placement
     assert output_placement(model[0]) == Placement.shard(1)
     assert output_placement(model[3]) == Placement.partial()

@@ -9,7 +9,7 @@
 * two ranks refuse a directory of user files alike, and both name a damaged file of
   rank 1's (the checksums are split over the ranks) and fall back to the previous step;
 * a rank that exits without joining a collective makes the other fail within the timeout
-  with a :class:`~torchloom.state.CollectiveTimeoutError`.
+  with a :class:`~torchloom.runtime.state.CollectiveTimeoutError`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom.launch import free_port as _free_port
+from torchloom.runtime.launch import free_port as _free_port
 from tests.test_tp_models_dist import _batch, gpt2, tp_gpt2
-from torchloom import state as S
+from torchloom.runtime import state as S
 
 # The workers are forked (each sets torch.set_num_threads(1), see ENVIRONMENT.md): they
 # inherit the imported modules instead of importing torch and transformers again, which

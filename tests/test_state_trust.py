@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import torchloom as tl
-from torchloom import state as S
+from torchloom.runtime import state as S
 
 POINTER = S.DIR_MARKER
 

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism of transformers models on two gloo ranks.
 
 GPT-2 (Conv1D, fused q/k/v), BERT and Llama, attention and MLP sharded Megatron-style by
-the built-in schedules (:mod:`torchloom.models`, only ``shard`` + ``sync``), against the
+the built-in schedules (:mod:`torchloom.schedules`, only ``shard`` + ``sync``), against the
 single-process model with the same weights:
 
 * logits equal within 1e-5 (fp32; the ranks add partial products in another order);
@@ -25,11 +25,11 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom.collectives import count_collectives
-from torchloom.models._common import column, row
-from torchloom.models.bert import schedule_bert
-from torchloom.models.gpt2 import schedule_gpt2, split_qkv_per_rank
-from torchloom.models.llama import schedule_llama
+from torchloom.runtime.collectives import count_collectives
+from torchloom.schedules._common import column, row
+from torchloom.schedules.bert import schedule_bert
+from torchloom.schedules.gpt2 import schedule_gpt2, split_qkv_per_rank
+from torchloom.schedules.llama import schedule_llama
 
 WORLD = 2
 LAYERS = 2

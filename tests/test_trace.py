@@ -13,9 +13,9 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.errors import PathError, TraceError, TraceGuardError
-from torchloom.testing import verify_recipe_roundtrip
-from torchloom.tracing import is_guard, is_traced
+from torchloom.core.errors import PathError, TraceError, TraceGuardError
+from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.graph.tracing import is_guard, is_traced
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -32,9 +32,10 @@ import transformers
 from typer.testing import CliRunner
 
 import torchloom as tl
-from torchloom import data, zoo
-from torchloom import train as T
-from torchloom.cli import app
+from torchloom.apps import data
+from torchloom.schedules import zoo
+from torchloom.apps import train as T
+from torchloom.apps.cli import app
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)")
 EVAL = re.compile(r"^eval\s+step\s+(\d+)\s+loss (\S+)")

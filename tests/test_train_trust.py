@@ -19,8 +19,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from torchloom import launch, state as S, train as T
-from torchloom.cli import app
+from torchloom.runtime import launch, state as S
+from torchloom.apps import train as T
+from torchloom.apps.cli import app
 
 BASE = ["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--save-every", "1",
         "--threads", "1"]
@@ -211,9 +212,9 @@ def test_timeout_reaches_the_launcher_and_torchrun(cli, monkeypatch):
     assert seen["run_ranks"] == (2, 7.0)
 
     monkeypatch.setattr(launch, "under_torchrun", lambda: True)
-    monkeypatch.setattr("torchloom.cli._start_group",
+    monkeypatch.setattr("torchloom.apps.cli._start_group",
                         lambda device, timeout: seen.update(group=(device, timeout)))
-    monkeypatch.setattr("torchloom.cli.train_rank_cli", lambda rank, config: done)
+    monkeypatch.setattr("torchloom.apps.cli.train_rank_cli", lambda rank, config: done)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     code, output = cli("--timeout", "9")
     assert code == 0, output

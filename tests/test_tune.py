@@ -343,7 +343,7 @@ def test_sigkill_loses_no_finished_trial(tmp_path: Path) -> None:
 def test_tune_command_prints_table_best_recipe_and_plot(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from torchloom.tune.cli import tune_command
+    from torchloom.apps.tune_cli import tune_command
 
     console = Console(record=True, width=120, force_terminal=False)
     db, plot = str(tmp_path / "tune.db"), str(tmp_path / "space.png")

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import torchloom as tl
 from tests.test_tune import Synthetic, schedule, tiny_model
 from torchloom.tune import Database, Space, Tuner, point_key
-from torchloom.tune.errors import TuneDatabaseError, TuneError
+from torchloom.core.errors import TuneDatabaseError, TuneError
 from torchloom.tune.fingerprint import study_fingerprint
 
 
@@ -85,7 +85,7 @@ def test_a_study_of_another_model_or_space_is_not_resumed(tmp_path: Path) -> Non
     resumed, same_again, again = _run(db)
     assert again == fingerprint and not same_again.calls and resumed.resumed == 8
     # a transformers model: its config is part of the fingerprint
-    from torchloom import zoo
+    from torchloom.schedules import zoo
 
     assert study_fingerprint(lambda: zoo.make_model("gpt2"), space) != \
         study_fingerprint(lambda: zoo.make_model("gpt2", layer_norm_epsilon=1e-3), space)
@@ -118,7 +118,7 @@ def _console() -> Console:
 
 
 def test_output_paths_are_checked_before_the_first_trial(tmp_path: Path) -> None:
-    from torchloom.tune.cli import tune_command
+    from torchloom.apps.tune_cli import tune_command
 
     console = _console()
     db = tmp_path / "tune.db"
@@ -136,7 +136,7 @@ def test_output_paths_are_checked_before_the_first_trial(tmp_path: Path) -> None
 
 
 def test_the_command_refuses_vit_and_non_positive_batch_sizes() -> None:
-    from torchloom.cli import app
+    from torchloom.apps.cli import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["tune", "vit", "--budget-gb", "1"])

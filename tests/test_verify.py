@@ -11,7 +11,7 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from tests.test_replace import make_explicit_mlp
-from torchloom.check import check
+from torchloom.tools.check import check
 
 
 class UnseededCheckpoint(nn.Module):

@@ -16,7 +16,7 @@ import torchloom as tl
 from tests.dist import spawn
 from tests.test_tp_models_dist import CASES, column, gpt2, gpt2_attention_split, row
 from tests.test_verify import UnseededCheckpoint
-from torchloom import collectives as C
+from torchloom.runtime import collectives as C
 
 WORLD = 2
 

@@ -9,7 +9,7 @@
   ``torch-2.11.0.dist-info`` shadowing the system torch, and metadata-only torch wheels
   in a local ``--find-links`` folder (pip decides from metadata alone).
 * Every private torch API torchloom uses exists in the running torch
-  (:mod:`torchloom._compat` lists them).
+  (:mod:`torchloom.runtime.compat` lists them).
 * Checkpoints no longer go through the deprecated ``ShardedTensor``: a TP=2 save and load
   of a fused (``chunks=3``) weight never constructs one and warns nothing about it, and
   DCP still records the full shape with one chunk per piece.

@@ -1,4 +1,4 @@
-"""build(weights=...) and torchloom.weights in one process: Hugging Face folders written by
+"""build(weights=...) and torchloom.runtime.weights in one process: Hugging Face folders written by
 save_pretrained (one file, sharded, .bin), transformers' key renames (base-model prefix both
 ways, legacy LayerNorm.gamma/beta), dtype casts, tied weights, slices of sharded tensors
 (block-wise chunks=3, fused q/k/v from the original keys), what is missing or mismatched,
@@ -19,11 +19,11 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torchloom as tl
-from torchloom import models
-from torchloom.errors import BuildError
+from torchloom import schedules
+from torchloom.core.errors import BuildError
 from torchloom.ops.qkv import make_fused_qkv_bert_self_attention
-from torchloom.state import CheckpointIOError, CheckpointMismatchError
-from torchloom.weights import load_weights, model_keys
+from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.runtime.weights import load_weights, model_keys
 
 SEED = 3
 
@@ -274,7 +274,7 @@ def test_tp_rank_reads_only_its_slices_blockwise_for_fused_qkv(tmp_path, fake_wo
     fake_world(2, 1)
     model = meta_from(folder)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True)
+    schedules.apply_schedule(sch, tp=True)
     spec = tl.shard_spec(model.transformer.h[0].attn.c_attn.weight)
     assert (spec.chunks, spec.world_size, spec.rank) == (3, 2, 1)
     loaded(model, folder)

@@ -29,7 +29,7 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom import models
+from torchloom import schedules
 
 WORLD = 2
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -57,7 +57,7 @@ def _check_case(rank: int, folder: str, sp: bool) -> None:
     with tl.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)
     sch = tl.create_schedule(model)
-    models.apply_schedule(sch, tp=True, sequence_parallel=sp)
+    schedules.apply_schedule(sch, tp=True, sequence_parallel=sp)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the folder holds every tensor: no warning
         tl.build(sch, weights=folder)

@@ -14,10 +14,15 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
-from . import ops, parallel
-from .build import build, init_empty_weights
-from .check import CheckReport, Finding, check
-from .errors import (
+from . import ops, schedules
+from .core import __version__
+from .graph import tracing
+from .runtime import parallel, pipeline
+
+models = schedules  # the package's name before 0.2: tl.models.apply_schedule still works
+from .runtime.build import build, init_empty_weights
+from .tools.check import CheckReport, Finding, check
+from .core.errors import (
     AnnotateError,
     BuildError,
     CheckpointError,
@@ -34,14 +39,14 @@ from .errors import (
     TraceError,
     TraceGuardError,
 )
-from .meta import ShardSpec, get_meta, shard_spec
-from .pattern import Match, ModulePattern, Pattern
+from .core.meta import ShardSpec, get_meta, shard_spec
+from .graph.pattern import Match, ModulePattern, Pattern
 from .primitives import list_primitives
-from .recipe import Recipe, RecipeEntry, apply_recipe
-from .rng import set_random_seed
-from .schedule import Schedule, ScheduleGroup, create_schedule
-from . import state
-from .state import (
+from .core.recipe import Recipe, RecipeEntry, apply_recipe
+from .runtime.rng import set_random_seed
+from .core.schedule import Schedule, ScheduleGroup, create_schedule
+from .runtime import state
+from .runtime.state import (
     Checkpoint,
     CheckpointIOError,
     CheckpointMismatchError,
@@ -54,15 +59,14 @@ from .state import (
     load,
     save,
 )
-from .verify import VerificationError, Verify
-from .errors import PretrainedError
-from .pretrained import save_pretrained
-from .errors import ScheduleMismatchError
-from .agree import check_ranks_agree
-from .errors import CollectiveShapeError, RankFailedError
-from .weights import load_weights
+from .tools.verify import VerificationError, Verify
+from .core.errors import PretrainedError
+from .runtime.pretrained import save_pretrained
+from .core.errors import ScheduleMismatchError
+from .runtime.agree import check_ranks_agree
+from .core.errors import CollectiveShapeError, RankFailedError
+from .runtime.weights import load_weights
 
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:

@@ -1,6 +1,6 @@
 """``python -m torchloom``: the command line."""
 
-from .cli import main
+from .apps.cli import main
 
 if __name__ == "__main__":
     main()

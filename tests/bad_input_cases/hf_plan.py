@@ -1,6 +1,6 @@
 """Bad-input rows: schedules derived from transformers' parallel plans (issue 15).
 
-Every refusal of :func:`torchloom.models.hf_plan.from_hf_plan` happens before any
+Every refusal of :func:`torchloom.schedules.hf_plan.from_hf_plan` happens before any
 primitive is applied and names the style, the path and the family: a model with no plan,
 an unknown or unsupported style, a style on a module it does not fit, sizes the ranks
 cannot split (heads and KV heads by config field, the MLP's features, the vocabulary), a
@@ -21,8 +21,8 @@ from typing import Any, Callable
 import transformers
 
 import torchloom as tl
-from torchloom import models
-from torchloom.models.hf_plan import PlanError, from_hf_plan, tp_plan_of
+from torchloom import schedules
+from torchloom.schedules.hf_plan import PlanError, from_hf_plan, tp_plan_of
 
 _DENSE = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=64)
@@ -156,7 +156,7 @@ def ckpt_ratio_out_of_range():
 
 def derived_schedule_unknown_knob():
     sch = _schedule("Qwen2ForCausalLM", "Qwen2Config")
-    models.apply_schedule(sch, tp=True, fused=True)
+    schedules.apply_schedule(sch, tp=True, fused=True)
 
 
 _WHERE = r"sch\['{path}'\]\.models\.from_hf_plan\(\.\.\.\): "

@@ -2,7 +2,7 @@
 
 A collective timeout that is not a positive number, a rank function that cannot be sent
 to a spawned rank (a lambda), and the one error a failed launch
-turns into (:func:`torchloom.launch.raise_first_failure`): the failing rank's own error
+turns into (:func:`torchloom.runtime.launch.raise_first_failure`): the failing rank's own error
 first, whether it raised a ScheduleError, hung, or died.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torchloom import launch
-from torchloom.errors import RankFailedError, ScheduleError
+from torchloom.runtime import launch
+from torchloom.core.errors import RankFailedError, ScheduleError
 
 
 def _noop(rank: int) -> None:

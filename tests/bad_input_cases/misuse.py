@@ -14,7 +14,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.errors import BuildError
+from torchloom.core.errors import BuildError
 
 
 def _mlp() -> tl.Schedule:

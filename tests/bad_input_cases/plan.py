@@ -4,7 +4,7 @@ model, unknown profiles, dtypes and models, degrees that do not cover the GPUs."
 from __future__ import annotations
 
 from torchloom.plan import Layout, PlanError, check_model, get_profile, model_spec, predict
-from torchloom.plan.cli import _degrees
+from torchloom.apps.plan_cli import _degrees
 
 
 def plan_sp_without_tp():

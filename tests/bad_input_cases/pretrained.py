@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom.errors import PretrainedError
-from torchloom.meta import ShardSpec, get_meta
+from torchloom.core.errors import PretrainedError
+from torchloom.core.meta import ShardSpec, get_meta
 
 
 def _linear() -> nn.Module:

@@ -13,7 +13,7 @@ from typing import Callable
 from torch import nn
 
 import torchloom as tl
-from torchloom.errors import RecipeError
+from torchloom.core.errors import RecipeError
 
 
 def _mlp() -> nn.Module:

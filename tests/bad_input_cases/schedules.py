@@ -1,6 +1,6 @@
 """Bad-input rows: the built-in schedules (issue 13 item 7, issue 14 item 6).
 
-An unknown knob of ``models.apply_schedule``, and tensor parallelism over a group whose
+An unknown knob of ``schedules.apply_schedule``, and tensor parallelism over a group whose
 size does not divide a config size the schedule splits: attention heads (every built-in),
 Llama's KV heads (neither a multiple nor a divisor of the degree), the MLP's features.
 All are refused before any primitive is applied, naming the config field.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import transformers
 
 import torchloom as tl
-from torchloom import models
+from torchloom import schedules
 
 
 def _refused(model_class: str, config_class: str, world: int = 1, knobs: dict | None = None,
@@ -27,7 +27,7 @@ def _refused(model_class: str, config_class: str, world: int = 1, knobs: dict | 
         model = getattr(transformers, model_class)(config)
     sch = tl.create_schedule(model)
     sch.world_size = world
-    models.apply_schedule(sch, **(knobs if knobs is not None else {"tp": True}))
+    schedules.apply_schedule(sch, **(knobs if knobs is not None else {"tp": True}))
 
 
 _GPT2 = dict(n_layer=1, n_embd=32, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0)

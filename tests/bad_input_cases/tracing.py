@@ -9,8 +9,8 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom.errors import BuildError, CheckpointError, TraceError, TraceGuardError
-from torchloom.pipeline import split_stages
+from torchloom.core.errors import BuildError, CheckpointError, TraceError, TraceGuardError
+from torchloom.runtime.pipeline import split_stages
 
 
 def _gpt2() -> transformers.GPT2LMHeadModel:

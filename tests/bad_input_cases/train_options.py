@@ -1,7 +1,7 @@
 """Bad-input rows: the options of ``torchloom train`` (issue 16 item 2).
 
 Every bad value of a flag or of a key of a ``--config`` TOML file is refused when the
-options are made (:class:`torchloom.jobconfig.TrainConfig` checks itself), naming the
+options are made (:class:`torchloom.apps.jobconfig.TrainConfig` checks itself), naming the
 option as its flag, the value, and a fix for the command line and the TOML file. What
 needs the model or the data (positions, vocabulary, the held-out split, the outputs) is
 refused by ``check_config`` before any rank starts. Model folders are written here by
@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from torchloom import train as T
-from torchloom.data import DataError
-from torchloom.jobconfig import TrainConfig, TrainOptionError, load_toml, options
-from torchloom.state import CheckpointIOError
-from torchloom.errors import ScheduleError
+from torchloom.apps import train as T
+from torchloom.apps.data import DataError
+from torchloom.apps.jobconfig import TrainConfig, TrainOptionError, load_toml, options
+from torchloom.runtime.state import CheckpointIOError
+from torchloom.core.errors import ScheduleError
 
 
 def _folder(tmp_path: Path, **config) -> str:

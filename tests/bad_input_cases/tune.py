@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable
 
 from torchloom.tune import Database, TrialRecord
-from torchloom.tune.cli import check_arguments
+from torchloom.apps.tune_cli import check_arguments
 from torchloom.tune.database import APPLICATION_ID
-from torchloom.tune.errors import TuneDatabaseError, TuneError
+from torchloom.core.errors import TuneDatabaseError, TuneError
 
 
 def _ours(tmp_path: Path) -> Path:

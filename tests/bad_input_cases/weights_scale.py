@@ -13,8 +13,8 @@ import transformers
 from safetensors.torch import save_file
 
 import torchloom as tl
-from torchloom.errors import BuildError
-from torchloom.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.core.errors import BuildError
+from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
 
 
 def _linear() -> tl.Schedule:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ReplaceError, ScheduleError
+from ..core.errors import ReplaceError, ScheduleError
 
 __all__ = [
     "OpsError",

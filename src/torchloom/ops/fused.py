@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ReplaceError
+from ..core.errors import ReplaceError
 from .attention import OpsError
 
 __all__ = [

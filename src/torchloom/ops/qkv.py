@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ReplaceError
-from ..meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..core.errors import ReplaceError
+from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from .attention import OpsError, SDPABertSelfAttention
 
 __all__ = ["FusedQKVBertSelfAttention", "make_fused_qkv_bert_self_attention"]

@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import collectives as C
-from ..errors import ShardError
-from ..meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..runtime import collectives as C
+from ..core.errors import ShardError
+from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 
 __all__ = [
     "VocabParallelEmbedding",
@@ -77,13 +77,13 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: the global padding id (its row gets no gradient), or None.
         vocab_start, vocab_end: the global ids ``[vocab_start, vocab_end)`` this rank owns.
         weight: the local rows, shape ``(V / world_size, embedding_dim)``, carrying a
-            :class:`~torchloom.meta.ShardSpec` with ``axis=0``.
+            :class:`~torchloom.core.meta.ShardSpec` with ``axis=0``.
 
     Built from scratch, the local rows are drawn from ``N(0, 1)`` on each rank (as
     ``nn.Embedding`` does), which does not equal slicing one full table: use
     :meth:`from_embedding` to shard an existing (e.g. pretrained) embedding.
 
-    Ids outside ``[0, V)`` raise :class:`~torchloom.errors.ShardError` for CPU inputs
+    Ids outside ``[0, V)`` raise :class:`~torchloom.core.errors.ShardError` for CPU inputs
     (checking a CUDA input would synchronise the device, so it is not checked there).
 
     >>> vp = VocabParallelEmbedding(8, 2, padding_idx=1)

@@ -10,7 +10,7 @@ on N devices, computed in one process on fake tensors; and a search over the lay
   collective, and compute, exposed communication, bubble and step time;
 * :func:`search` (:mod:`~torchloom.plan.search`): every valid layout of N devices ranked
   by predicted throughput;
-* ``torchloom plan MODEL --gpus N --gpu h100-80gb`` (:mod:`~torchloom.plan.cli`).
+* ``torchloom plan MODEL --gpus N --gpu h100-80gb`` (:mod:`~torchloom.apps.plan_cli`).
 
 How: :mod:`~torchloom.plan.units` runs one step of the model shortened to three layers,
 scheduled at the real tensor-parallel degree, as rank 0 of a fake process group on fake
@@ -27,7 +27,7 @@ on gloo ranks by :mod:`~torchloom.plan.validate` (``tests/test_plan_dist.py``,
 
 from __future__ import annotations
 
-from .errors import PlanError
+from ..core.errors import PlanError
 from .layout import Layout, check_model
 from .predict import (
     CollectiveTotal,

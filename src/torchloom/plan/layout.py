@@ -18,7 +18,7 @@ A :class:`Layout` holds the degrees of parallelism and the schedule knobs of one
 * ``optimizer``: ``"adamw"`` / ``"adam"`` (two states per parameter), ``"sgd-momentum"``
   (one), ``"sgd"`` (none).
 
-The ranks are laid out as ``torchloom.parallel.init_mesh`` does: a ``(pp, dp, tp)`` mesh,
+The ranks are laid out as ``torchloom.runtime.parallel.init_mesh`` does: a ``(pp, dp, tp)`` mesh,
 tensor-parallel ranks adjacent. ``batch_size = dp * n_microbatches * micro_batch``
 sequences per optimizer step.
 
@@ -33,7 +33,7 @@ sequences per optimizer step.
 >>> Layout(pp=2, n_microbatches=1)
 Traceback (most recent call last):
 ...
-torchloom.plan.errors.PlanError: plan(...): a pipeline of 2 stages needs at least 2 micro-batches per step
+torchloom.core.errors.PlanError: plan(...): a pipeline of 2 stages needs at least 2 micro-batches per step
     values: pp=2, n_microbatches=1
     fix: Layout(pp=2, n_microbatches=2)
 """
@@ -44,7 +44,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PlanError
+from ..core.errors import PlanError
 from .spec import DTYPES, ModelSpec
 
 __all__ = ["Layout", "OPTIMIZERS", "SCHEDULES", "DP_MODES", "check_model"]

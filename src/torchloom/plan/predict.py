@@ -22,7 +22,7 @@ pipeline stage; the tensor- and data-parallel ranks of a stage are alike):
 * **collectives**: the pieces' own (the schedule's syncs, FSDP2's all-gathers and
   reduce-scatters), DDP's all-reduce of every gradient and broadcast of the buffers, a
   pipeline's sends and receives of the tensors that cross each cut (measured by splitting
-  the model on meta, :func:`torchloom.pipeline.split_stages`), the all-reduce of weights
+  the model on meta, :func:`torchloom.runtime.pipeline.split_stages`), the all-reduce of weights
   tied across stages, and the data-parallel all-reduce of a pipeline's gradients;
 * **time** on a :class:`~torchloom.plan.profiles.Profile`: a roofline per operator
   (``max(FLOPs / peak, bytes / bandwidth)``, matmul-like operators; the others

@@ -33,7 +33,7 @@ communication overlapped with backward compute, and PyTorch's default optimizer 
 >>> get_profile("v100-32gb").peak_flops("bf16")
 Traceback (most recent call last):
 ...
-torchloom.plan.errors.PlanError: plan(...): the v100-32gb has no bf16 matmul peak in its profile
+torchloom.core.errors.PlanError: plan(...): the v100-32gb has no bf16 matmul peak in its profile
     values: profile='v100-32gb', dtypes=['fp16', 'fp32']
     fix: plan it in one of fp16, fp32: --dtype fp16 (or --param-dtype fp32)
 """
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .errors import PlanError
+from ..core.errors import PlanError
 
 __all__ = ["Profile", "PROFILES", "get_profile", "measure_local"]
 
@@ -276,7 +276,7 @@ def measure_local(device: str | None = None, *, size: int | None = None,
         links = bandwidth
         overhead = _op_overhead(repeats)
         if link:
-            from ..launch import run_ranks
+            from ..runtime.launch import run_ranks
 
             measured = run_ranks(_link_rank, 2, 16 * 2**20, repeats)
             links = min(m[0] for m in measured)

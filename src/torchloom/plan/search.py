@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import PlanError
+from ..core.errors import PlanError
 from .layout import OPTIMIZERS, Layout, check_model
 from .predict import Prediction, predict
 from .profiles import Profile, get_profile

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import zoo
-from ..build import init_empty_weights
-from .errors import PlanError
+from ..schedules import zoo
+from ..runtime.build import init_empty_weights
+from ..core.errors import PlanError
 
 __all__ = ["ModelSpec", "model_spec", "DTYPES"]
 

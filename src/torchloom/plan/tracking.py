@@ -1,6 +1,6 @@
 """What a training step holds and sends: live storages with marks, and every collective.
 
-:class:`Tracker` is :class:`~torchloom.tune.memory.LiveBytes` (the storage view of an
+:class:`Tracker` is :class:`~torchloom.runtime.memory.LiveBytes` (the storage view of an
 allocator that ``TrainEvaluator`` measures with) extended for what a distributed step
 does, so that the same class measures a real step on gloo ranks and the planner's step on
 fake tensors:
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..tune.memory import LiveBytes
+from ..runtime.memory import LiveBytes
 
 __all__ = ["Collective", "Segment", "Tracker", "collective_bytes", "fsdp_storage_resizes"]
 

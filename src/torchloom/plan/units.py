@@ -36,7 +36,7 @@ do not), so the planner measures micro-batches of one and two sequences and
 extrapolates any other size operator by operator (:func:`extrapolate`).
 
 :func:`crossing` splits a shortened model into pipeline stages on meta
-(:func:`torchloom.pipeline.split_stages`) and returns the tensors that cross a stage
+(:func:`torchloom.runtime.pipeline.split_stages`) and returns the tensors that cross a stage
 boundary between two layers (what a pipeline sends per micro-batch).
 
 >>> from torchloom.plan.spec import model_spec
@@ -62,9 +62,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .._outputs import no_cache_kwargs
-from ..meta import copy_meta
-from .errors import PlanError
+from ..core.outputs import no_cache_kwargs
+from ..core.meta import copy_meta
+from ..core.errors import PlanError
 from .spec import DTYPES, ModelSpec
 from .tracking import Collective, Tracker, fsdp_storage_resizes
 
@@ -299,16 +299,16 @@ ScheduleFn = Callable[[Any, dict[str, Any]], None]
 def apply_knobs(sch: Any, spec: ModelSpec, knobs: dict[str, Any],
                 schedule: ScheduleFn | None = None) -> None:
     """Apply the schedule: ``schedule(sch, knobs)`` when given, else the model's built-in
-    schedule (``models.apply_schedule(sch, **knobs)``); a model without one is only
+    schedule (``schedules.apply_schedule(sch, **knobs)``); a model without one is only
     checkpointed (and refuses ``tp``)."""
-    from .. import models
-    from ..errors import ScheduleError
+    from .. import schedules
+    from ..core.errors import ScheduleError
 
     if schedule is not None:
         schedule(sch, dict(knobs))
         return
     try:
-        models.schedule_for(sch.mod)
+        schedules.schedule_for(sch.mod)
     except ScheduleError:
         if knobs.get("tp"):
             raise PlanError(
@@ -318,7 +318,7 @@ def apply_knobs(sch: Any, spec: ModelSpec, knobs: dict[str, Any],
         if knobs.get("ckpt_ratio"):
             sch[spec.layers].checkpoint(ratio=knobs["ckpt_ratio"])
         return
-    models.apply_schedule(sch, **knobs)
+    schedules.apply_schedule(sch, **knobs)
 
 
 def _fake_params(model: nn.Module, mode: Any) -> None:
@@ -378,8 +378,8 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
     """Measure the pieces of a step (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..parallel import init_mesh
-    from ..schedule import create_schedule
+    from ..runtime.parallel import init_mesh
+    from ..core.schedule import create_schedule
 
     with fake_world(key.tp * key.fsdp):
         mesh = init_mesh(dp=key.fsdp, tp=key.tp, device_type="cpu")
@@ -580,9 +580,9 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
     1 and split on fake values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..parallel import init_mesh
-    from ..pipeline import split_stages
-    from ..schedule import create_schedule
+    from ..runtime.parallel import init_mesh
+    from ..runtime.pipeline import split_stages
+    from ..core.schedule import create_schedule
 
     with fake_world(key.tp):
         mesh = init_mesh(tp=key.tp, device_type="cpu")

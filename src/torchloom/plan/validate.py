@@ -2,7 +2,7 @@
 layout on gloo ranks, with the storage view of ``TrainEvaluator`` and every collective
 counted.
 
-:func:`measure_rank` is one rank of a run (``torchloom.launch.run_ranks`` or
+:func:`measure_rank` is one rank of a run (``torchloom.runtime.launch.run_ranks`` or
 ``tests/dist.py``'s ``spawn`` starts the ranks): a zoo model, scheduled with its built-in
 schedule over the mesh's tensor-parallel group, built for the layout (DDP, FSDP2, or a
 pipeline of even stages run with the layout's schedule, its data-parallel replicas
@@ -43,7 +43,7 @@ __all__ = ["measure_rank", "measure_many", "compare", "check_prediction"]
 
 
 def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
-    from .. import zoo
+    from ..schedules import zoo
 
     overrides: dict[str, Any] = {}
     found = zoo.max_positions(name, size)
@@ -58,10 +58,10 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns
     ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts`` and ``step_s`` (the timed steps)."""
-    from .. import models
-    from ..build import build, init_empty_weights
-    from ..parallel import init_mesh
-    from ..schedule import create_schedule
+    from .. import schedules
+    from ..runtime.build import build, init_empty_weights
+    from ..runtime.parallel import init_mesh
+    from ..core.schedule import create_schedule
 
     layout_dict = dict(config["layout"])
     if layout_dict.get("stage_cuts") is not None:
@@ -100,7 +100,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     if lay.sp:
         knobs["sequence_parallel"] = True
     knobs.update(config.get("knobs") or {})  # kernel knobs (compile, attention, ...)
-    models.apply_schedule(sch, **knobs)
+    schedules.apply_schedule(sch, **knobs)
     rows = lay.n_microbatches * lay.micro_batch
     gen = torch.Generator().manual_seed(1000 + dp_rank)
     vocab = model.config.vocab_size
@@ -110,7 +110,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     tracker.counting = False
     with fsdp_storage_resizes(tracker), tracker:
         if lay.pp > 1:
-            from .. import zoo
+            from ..schedules import zoo
 
             layers = zoo.layer_paths(config["model"])[0]
             count = len(sch[layers].child)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import PathError
+from ..core.errors import PathError
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 __all__ = ["ForwardWrapper", "find_tensor", "owners_of", "tied_names"]
 

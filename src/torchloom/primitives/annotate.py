@@ -1,6 +1,6 @@
 """``annotate(param_name, key, value)``: attach a tag to a parameter or buffer.
 
-The tag is stored with the tensor (see :mod:`torchloom.meta`) and is also readable as
+The tag is stored with the tensor (see :mod:`torchloom.core.meta`) and is also readable as
 ``tensor.<key>``. It survives ``shard`` (the sliced parameter inherits it), ``replace``
 (the parameter object moves with its module), tracing, and ``build`` (re-created
 parameters get every tag back).
@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import AnnotateError
-from ..meta import get_meta, has_meta, set_tag
+from ..core.errors import AnnotateError
+from ..core.meta import get_meta, has_meta, set_tag
 from ._common import find_tensor
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "annotate"
 
@@ -59,6 +60,7 @@ def _same(a: Any, b: Any) -> bool:
     return equal is True
 
 
+@primitive(NAME, errors=(AnnotateError,))
 def apply(sch: Schedule, param_name: str, key: str, value: Any, *,
           overwrite: bool = False) -> None:
     """Tag ``param_name`` of ``sch.mod`` with ``key = value``."""

@@ -19,7 +19,7 @@ and are not replayed by the recompute. The module is marked ``_torchloom_checkpo
 
 Random numbers: the recompute must draw the same dropout masks as the forward did.
 ``preserve_rng_state=True`` restores the global CPU and device generators; in addition the
-states of :func:`torchloom.rng.get_rng_tracker` (used by ``fork_rng``) are snapshotted when
+states of :func:`torchloom.runtime.rng.get_rng_tracker` (used by ``fork_rng``) are snapshotted when
 the forward runs and installed for the recompute (then put back), so ``checkpoint`` and
 ``fork_rng`` compose in either order and nesting.
 
@@ -34,7 +34,7 @@ by None and ``use_cache=True`` by False, with one warning per layer class (trans
 models with a default config, ``use_cache=True``, make a cache in training). The output's
 cache then lacks the checkpointed layers; pass ``use_cache=False`` to the model to avoid
 both. A cache that already holds past positions for the layer would be silently ignored,
-so it raises a :class:`~torchloom.errors.CheckpointError`. Layers that only read the cache
+so it raises a :class:`~torchloom.core.errors.CheckpointError`. Layers that only read the cache
 (``_can_checkpoint_with_cache = True``, a transformers convention) keep it.
 
 With ``subgraph`` (a ``Match`` from ``find`` on a traced module, or a list of them): each
@@ -92,14 +92,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ..errors import CheckpointError
-from ..rng import get_rng_tracker
-from ..tracing import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
-from ._subgraph import GraphHolder, extract, resolve, splice
+from ..core.errors import CheckpointError
+from ..runtime.rng import get_rng_tracker
+from ..graph.tracing import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
+from ..graph.subgraph import GraphHolder, extract, resolve, splice
 from ._common import ForwardWrapper
+from ..core.registry import primitive
+from ..graph.subgraph import recorded_matches
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "checkpoint"
 MARK = "_torchloom_checkpointed"
@@ -367,6 +369,7 @@ def _apply_subgraph(sch: Schedule, subgraph: Any) -> None:
         splice(sch, [match], wrapper, "CheckpointWrapper", NAME, CheckpointError, [outputs])
 
 
+@primitive(NAME, errors=(CheckpointError,), record_as={"subgraph": recorded_matches})
 def apply(sch: Schedule, ratio: float | None = None, subgraph: Any = None) -> None:
     """Checkpoint ``sch.mod``, or with ``ratio`` the first ``floor(ratio * n)`` items of
     the ``ModuleList`` / ``Sequential`` at ``sch``, or with ``subgraph`` the matched

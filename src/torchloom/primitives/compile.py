@@ -53,11 +53,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..errors import CompileError
+from ..core.errors import CompileError
 from ._common import ForwardWrapper
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "compile"
 MARK = "_torchloom_compiled"
@@ -140,7 +141,8 @@ def _check(sch: Schedule, backend: Any, mode: Any, dynamic: Any, fullgraph: Any)
             fix="compile(dynamic=None, fullgraph=False)")
 
 
-def apply(sch: Schedule, backend: str | Callable[..., Any] = "inductor",
+@primitive(NAME, errors=(CompileError,))
+def apply(sch: Schedule, backend: str | Callable[..., Any] = "inductor", *,
           mode: str | None = None, dynamic: bool | None = None,
           fullgraph: bool = False) -> None:
     """Compile ``sch.mod``'s forward in place (innermost of its forward wrappers)."""

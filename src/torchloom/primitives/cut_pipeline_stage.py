@@ -1,7 +1,7 @@
 """``cut_pipeline_stage()``: end a pipeline stage after this module.
 
 ``build(sch, target="pipeline", ...)`` splits the model after every marked module (see
-:mod:`torchloom.pipeline`). The stages are cut out of the traced graphs, so the module
+:mod:`torchloom.runtime.pipeline`). The stages are cut out of the traced graphs, so the module
 must be called from a traced parent: prepare the levels with ``trace_until``. Cuts may sit
 at several levels (e.g. after a layer and after an embedding block); each marks one
 boundary.
@@ -21,7 +21,7 @@ Before / after:
 >>> sch = tl.create_schedule(model)
 >>> sch.trace(example_inputs=(torch.randn(1, 2),))
 >>> sch["1"].cut_pipeline_stage()
->>> from torchloom.pipeline import cut_paths
+>>> from torchloom.runtime.pipeline import cut_paths
 >>> cut_paths(sch)
 ['1']
 """
@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..errors import ScheduleError
-from ..pipeline import CUT_MARK
-from ..tracing import is_traced
+from ..core.errors import ScheduleError
+from ..runtime.pipeline import CUT_MARK
+from ..graph.tracing import is_traced
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "cut_pipeline_stage"
 
@@ -55,6 +56,7 @@ def _graph_parent(sch: Schedule) -> tuple[Schedule, str]:
     return node, rel
 
 
+@primitive(NAME, errors=(ScheduleError,))
 def apply(sch: Schedule) -> None:
     """Mark ``sch.mod`` as the last module of a pipeline stage."""
     if sch.parent is None:

@@ -30,7 +30,7 @@ Before / after:
 >>> torch.allclose(model(x), expected)
 True
 >>> sch.trace(flatten=True, example_inputs=(x,))
->>> from torchloom.tracing import is_guard
+>>> from torchloom.graph.tracing import is_guard
 >>> [n.target.__name__ for n in sch.mod.graph.nodes
 ...  if n.op == "call_function" and not is_guard(n)]
 ['linear', 'add']
@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import FuseError
+from ..core.errors import FuseError
 from .replace import swap_module
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "decompose"
 
@@ -95,6 +96,7 @@ def _is_conv1d(module: nn.Module) -> bool:
                for c in type(module).__mro__)
 
 
+@primitive(NAME, errors=(FuseError,))
 def apply(sch: Schedule) -> None:
     """Replace the linear layer at ``sch`` by its decomposed form."""
     mod = sch.mod

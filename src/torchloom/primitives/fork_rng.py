@@ -1,7 +1,7 @@
 """``fork_rng()``: the module draws its random numbers from the tensor-parallel stream.
 
 A dropout inside a tensor-parallel region (for example after a column-sharded linear)
-must use a different mask on each rank; see :mod:`torchloom.rng`. ``fork_rng`` makes every
+must use a different mask on each rank; see :mod:`torchloom.runtime.rng`. ``fork_rng`` makes every
 call of the node's module run inside ``get_rng_tracker().fork("model-parallel", device)``,
 where ``device`` is the device of the first tensor argument (else of the module's first
 parameter, else the CPU). Random numbers drawn anywhere below the module come from the
@@ -18,7 +18,7 @@ Preconditions:
     * the module has a ``forward`` (a ``ModuleList`` has none: apply it to the items);
     * when the module runs in training mode, the ``"model-parallel"`` state is seeded:
       ``torchloom.set_random_seed(seed, tp_rank=tp_rank)``; otherwise the call raises
-      :class:`~torchloom.errors.RngError`. In eval mode (no dropout masks to draw) an
+      :class:`~torchloom.core.errors.RngError`. In eval mode (no dropout masks to draw) an
       unseeded module just runs its forward; a seeded one forks in either mode.
 
 Before / after:
@@ -44,12 +44,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import RngError
-from ..rng import MODEL_PARALLEL, get_rng_tracker
+from ..core.errors import RngError
+from ..runtime.rng import MODEL_PARALLEL, get_rng_tracker
 from ._common import ForwardWrapper
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "fork_rng"
 MARK = "_torchloom_fork_rng"
@@ -91,6 +92,7 @@ class _ForkRngForward(ForwardWrapper):
         return f"<fork_rng forward of {type(self.module).__name__} at {self.path!r}>"
 
 
+@primitive(NAME, errors=(RngError,))
 def apply(sch: Schedule) -> None:
     """Make ``sch.mod`` draw random numbers from the ``"model-parallel"`` state."""
     mod = sch.mod

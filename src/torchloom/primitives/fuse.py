@@ -42,12 +42,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
-from ..errors import FuseError
-from ._subgraph import GraphHolder, extract, resolve, splice
+from ..core.errors import FuseError
+from ..graph.subgraph import GraphHolder, extract, resolve, splice
+from ..core.registry import primitive
+from ..graph.subgraph import recorded_matches
 
 if TYPE_CHECKING:
-    from ..pattern import Match
-    from ..schedule import Schedule
+    from ..graph.pattern import Match
+    from ..core.schedule import Schedule
 
 NAME = "fuse"
 
@@ -98,6 +100,7 @@ def _check_compiler(sch: Schedule, compiler: Any) -> None:
     )
 
 
+@primitive(NAME, errors=(FuseError,), record_as={"subgraph": recorded_matches})
 def apply(
     sch: Schedule,
     subgraph: Match | list[Match] | dict[str, Any],

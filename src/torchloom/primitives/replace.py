@@ -71,49 +71,20 @@ True
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from ..errors import ReplaceError
+from ..core.errors import ReplaceError
+from ..core.marks import transfer_hooks
+from ..core.registry import primitive
+from ..graph.subgraph import recorded_matches
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule, ScheduleGroup
 
 NAME = "replace"
-
-# Hook dictionaries of nn.Module (torch 2.13). Each maps a hook id to a callable; the
-# handles returned by register_*_hook refer to these dict objects by weak reference.
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
-
-def transfer_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Move every hook of ``old`` onto ``new`` (hooks already on ``new`` run after them)."""
-    for attr in _HOOK_DICTS:
-        old_hooks = getattr(old, attr, None)
-        if old_hooks is None or not old_hooks:
-            continue
-        new_hooks = getattr(new, attr, None)
-        if new_hooks:
-            # Keep the old dict object so the user's handles still remove their hooks.
-            for key, value in new_hooks.items():
-                old_hooks[key] = value
-        setattr(new, attr, old_hooks)
-    if getattr(old, "_is_full_backward_hook", None) is not None:
-        new._is_full_backward_hook = old._is_full_backward_hook
-
 
 def _make_new(sch: Schedule, new_mod_or_fn: Any) -> nn.Module:
     if isinstance(new_mod_or_fn, nn.Module):
@@ -160,7 +131,7 @@ def swap_module(sch: Schedule, new: nn.Module) -> None:
 
 def _apply_subgraph(sch: Schedule, new: Any, target_ops: Any, name: str | None,
                     concrete_args: dict[str, Any] | None) -> None:
-    from . import _subgraph
+    from ..graph import subgraph
 
     if not (isinstance(target_ops, (dict, list, tuple)) or
             type(target_ops).__name__ == "Match") or \
@@ -169,7 +140,7 @@ def _apply_subgraph(sch: Schedule, new: Any, target_ops: Any, name: str | None,
         raise ReplaceError(
             "replacing a subgraph (target_ops) needs a traced module and the Match objects that "
             "find() "
-            f"returns, not {_subgraph._type_name(target_ops)}",
+            f"returns, not {subgraph._type_name(target_ops)}",
             path=sch.path, primitive=NAME, values={"target_ops": repr(target_ops)[:80]},
             fix=f"sch[{sch.path!r}].trace(); m = sch[{sch.path!r}].find(pattern); "
             f"sch[{sch.path!r}].replace(new, target_ops=m)",
@@ -186,8 +157,8 @@ def _apply_subgraph(sch: Schedule, new: Any, target_ops: Any, name: str | None,
             path=sch.path, primitive=NAME, values={"name": name},
             fix="drop the argument, or pass a module",
         )
-    matches = _subgraph.resolve(sch, target_ops, NAME, ReplaceError)
-    _subgraph.check_one_graph(sch, matches, NAME, ReplaceError)
+    matches = subgraph.resolve(sch, target_ops, NAME, ReplaceError)
+    subgraph.check_one_graph(sch, matches, NAME, ReplaceError)
     kwargs = dict(concrete_args or {})
     outputs = []
     for m in matches:
@@ -205,11 +176,25 @@ def _apply_subgraph(sch: Schedule, new: Any, target_ops: Any, name: str | None,
     inputs: list[Any] = []
     for m in matches:
         inputs += [n for n in m.inputs if n not in inputs]
-    _subgraph.check_arity(sch, new, len(inputs), kwargs, NAME, ReplaceError,
+    subgraph.check_arity(sch, new, len(inputs), kwargs, NAME, ReplaceError,
                           [n.name for n in inputs])
-    _subgraph.splice(sch, matches, new, name, NAME, ReplaceError, outputs, kwargs)
+    subgraph.splice(sch, matches, new, name, NAME, ReplaceError, outputs, kwargs)
 
 
+def _one_module_per_node(group: ScheduleGroup, bound: inspect.BoundArguments) -> None:
+    """A group replace needs a factory: one module instance cannot sit in two places."""
+    new = bound.arguments["new_mod_or_fn"]
+    if isinstance(new, nn.Module) and len(group) > 1:
+        raise ReplaceError(
+            f"a group replace needs a factory, one module instance cannot sit at "
+            f"{len(group)} places",
+            path=group.pattern, primitive=NAME, values={"new_mod_or_fn": type(new).__name__},
+            fix="pass a function old_module -> new_module, e.g. "
+            "sch['h.*.mlp'].replace(make_fast_mlp)")
+
+
+@primitive(NAME, errors=(ReplaceError,), record_as={"target_ops": recorded_matches},
+           group_check=_one_module_per_node)
 def apply(
     sch: Schedule,
     new_mod_or_fn: nn.Module | Callable[[nn.Module], nn.Module],
@@ -240,4 +225,4 @@ def apply(
     swap_module(sch, _make_new(sch, new_mod_or_fn))
 
 
-__all__ = ["NAME", "apply", "swap_module", "transfer_hooks"]
+__all__ = ["NAME", "apply", "swap_module"]

@@ -33,14 +33,16 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from ..errors import ReplaceError
+from ..core.errors import ReplaceError
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "replace_all"
 
 
+@primitive(NAME, errors=(ReplaceError,))
 def apply(
     sch: Schedule,
     module_type: type[nn.Module],

@@ -2,7 +2,7 @@
 
 The tensor is split into ``world_size`` equal slices along ``axis`` and this rank keeps
 slice ``rank``. The full shape, axis, rank and world size are recorded as a
-:class:`~torchloom.meta.ShardSpec` *on the new tensor*, so the record survives
+:class:`~torchloom.core.meta.ShardSpec` *on the new tensor*, so the record survives
 ``replace``, tracing and ``build``. Every slot that held the old parameter (tied weights)
 receives the new one, so ties are kept. Module attributes that describe the shape are
 updated (``Linear.in_features`` / ``out_features``, ``Embedding.num_embeddings`` /
@@ -48,12 +48,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..errors import ShardError
-from ..meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..core.errors import ShardError
+from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ._common import find_tensor, owners_of, tied_names
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "shard"
 
@@ -115,6 +116,7 @@ def _check_tie(sch: Schedule, param_name: str, axis: int, owner: nn.Module, attr
         )
 
 
+@primitive(NAME, errors=(ShardError,))
 def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
           tied: bool = False) -> None:
     """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank (each of ``chunks``

@@ -17,7 +17,7 @@ Modes:
   of the data (LayerNorm weights and row-parallel biases inside a sequence-parallel
   region), whose gradients are partial sums.
 
-Operations (all differentiable, see :mod:`torchloom.collectives`):
+Operations (all differentiable, see :mod:`torchloom.runtime.collectives`):
 
 =====================  =====================  =================================
 op                     modes                  keyword arguments
@@ -51,7 +51,7 @@ was unlucky; here the shard record lives on the weight, so order does not matter
 as ``shard`` precedes ``sync``).
 
 Illegal combinations are refused when ``sync`` is called, using the output placement
-that :func:`torchloom.placement.output_placement` derives from the module's shards: an
+that :func:`torchloom.core.placement.output_placement` derives from the module's shards: an
 all-reduce or reduce-scatter of a *sharded* output, an all-gather of a *partial* output
 (or along another axis than the sharded one), a scatter of a sharded or partial output.
 
@@ -86,13 +86,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import collectives as C
-from ..errors import SyncError
-from ..meta import shard_spec
-from ..placement import output_placement
+from ..runtime import collectives as C
+from ..core.errors import SyncError
+from ..core.meta import shard_spec
+from ..core.placement import output_placement
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "sync"
 
@@ -400,6 +401,7 @@ def _check_not_twice(sch: Schedule, spec: SyncSpec) -> None:
         )
 
 
+@primitive(NAME, errors=(SyncError,))
 def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **kwargs: Any) -> None:
     """Install the communication described by ``mode`` and ``sync_op_or_fn`` on ``sch.mod``."""
     spec = _check(sch, mode, sync_op_or_fn, kwargs)

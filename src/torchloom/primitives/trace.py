@@ -1,7 +1,7 @@
 """``trace(...)``: turn this node's module (only this one) into a graph.
 
-The module is replaced by a :class:`~torchloom.tracing.TracedGraphModule` built by
-:func:`torchloom.tracing.trace_module` (the module docstring there describes the tracer,
+The module is replaced by a :class:`~torchloom.graph.tracing.TracedGraphModule` built by
+:func:`torchloom.graph.tracing.trace_module` (the module docstring there describes the tracer,
 its choices and its limits). What stays the same:
 
 * the module object: it is changed in place into the traced graph module, so references
@@ -19,14 +19,14 @@ its choices and its limits). What stays the same:
 Example inputs: ``example_inputs`` (a tuple of positional arguments, a dict of keyword
 arguments, or an ``(args, kwargs)`` pair) if given; otherwise, for a transformers model,
 the inputs this module receives when the model runs (without a KV cache) on
-:func:`torchloom.tracing.dummy_inputs` made from its config (token ids, or pixel values for
+:func:`torchloom.graph.tracing.dummy_inputs` made from its config (token ids, or pixel values for
 an image model); otherwise none, and the trace is symbolic (enough for modules without
 data-dependent Python code). A model built under ``init_empty_weights`` is traced the
 same way on tensors without data (nothing is allocated).
 
 The KV cache of a transformers model (``use_cache`` defaults to True) is traced off: the
 graph computes the training path, accepts ``use_cache`` None or False, and refuses a cache
-where one would be used (see :mod:`torchloom.tracing`).
+where one would be used (see :mod:`torchloom.graph.tracing`).
 
 Tracing an already traced module traces its graph again (e.g. ``flatten=True`` after a
 hierarchical trace inlines the nested graphs).
@@ -36,7 +36,7 @@ Preconditions:
       ``fork_rng``, a row-parallel ``sync``): trace first, or trace its parent;
     * ``tracer`` is ``"auto"`` or ``"fx"``; ``leaf_modules`` is a list of class names or
       paths; ``flatten`` is a bool;
-    * a failure raises :class:`~torchloom.errors.TraceError` naming the path that failed.
+    * a failure raises :class:`~torchloom.core.errors.TraceError` naming the path that failed.
 
 Before / after:
 
@@ -58,11 +58,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import TraceError
-from ..tracing import TRACERS, example_inputs_for, trace_module
+from ..core.errors import TraceError
+from ..graph.tracing import TRACERS, example_inputs_for, trace_module
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "trace"
 
@@ -105,6 +106,7 @@ def install_traced(sch: Schedule, new: Any) -> None:
     sch.sync_children()
 
 
+@primitive(NAME, errors=(TraceError,))
 def apply(
     sch: Schedule,
     leaf_modules: Sequence[str] | None = None,

@@ -7,15 +7,15 @@ levels where pipeline stages are cut are prepared: the graph of each level's par
 the level as one node. ``paths`` are relative to this node and may use wildcards
 (``"transformer.h.*"``). Options are those of ``trace`` (``flatten`` is not one: the
 result is hierarchical by definition). Without ``example_inputs`` a transformers model runs
-on :func:`torchloom.tracing.dummy_inputs`; a model built under ``init_empty_weights`` is
+on :func:`torchloom.graph.tracing.dummy_inputs`; a model built under ``init_empty_weights`` is
 traced without allocating anything (a 70 B-class Llama config in seconds), so it can be cut
 into pipeline stages before any weight exists.
 
 Preconditions:
     * ``paths`` is a non-empty path or list of paths, each resolving below this node (else
-      :class:`~torchloom.errors.PathError`);
+      :class:`~torchloom.core.errors.PathError`);
     * every level is called when this node's module runs (else
-      :class:`~torchloom.errors.TraceError`);
+      :class:`~torchloom.core.errors.TraceError`);
     * the modules on the way were not checkpointed / ``fork_rng``'d (they must be traced).
 
 Before / after:
@@ -27,7 +27,7 @@ Before / after:
 >>> sch.trace_until("0.0", example_inputs=(torch.randn(1, 2),))
 >>> [type(m).__name__ for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
 ['Sequential', 'Sequential', 'Sequential', 'Sequential']
->>> from torchloom.tracing import is_traced
+>>> from torchloom.graph.tracing import is_traced
 >>> [is_traced(m) for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
 [True, True, True, False]
 """
@@ -36,12 +36,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import TraceError
-from ..tracing import _is_container, example_inputs_for, is_traced, trace_module
+from ..core.errors import TraceError
+from ..graph.tracing import _is_container, example_inputs_for, is_traced, trace_module
 from .trace import check_options, install_traced
+from ..core.registry import primitive
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
 NAME = "trace_until"
 
@@ -49,7 +50,7 @@ __all__ = ["NAME", "apply"]
 
 
 def _levels(sch: Schedule, paths: str | Sequence[str]) -> list[Schedule]:
-    from ..schedule import ScheduleGroup
+    from ..core.schedule import ScheduleGroup
 
     items = [paths] if isinstance(paths, str) else list(paths)
     if not items or not all(isinstance(p, str) and p for p in items):
@@ -65,6 +66,7 @@ def _levels(sch: Schedule, paths: str | Sequence[str]) -> list[Schedule]:
     return nodes
 
 
+@primitive(NAME, errors=(TraceError,))
 def apply(
     sch: Schedule,
     paths: str | Sequence[str],

@@ -8,7 +8,7 @@ The pieces, each usable alone:
   and checkpoint ratio) and :class:`ModelBased` (optuna TPE) (:mod:`~torchloom.tune.strategies`);
 * :class:`CostModel`: the peak training memory of a candidate, predicted by running a
   step on fake tensors while :class:`LiveBytes` follows every storage, used to prune
-  candidates over a budget before any runs (:mod:`~torchloom.tune.memory`);
+  candidates over a budget before any runs (:mod:`~torchloom.runtime.memory`);
 * :class:`TrainEvaluator`: the default measurement, a few real training steps
   (:mod:`~torchloom.tune.evaluate`); :class:`~torchloom.tune.worker.TorchrunEvaluator`
   runs each candidate as a ``torchrun`` job instead (:mod:`~torchloom.tune.worker`);
@@ -18,7 +18,7 @@ The pieces, each usable alone:
   :class:`TuneDatabaseError`;
 * :class:`Tuner` / :func:`tune`: ties them together; a candidate is the recipe a schedule
   function records at a point (:mod:`~torchloom.tune.tuner`);
-* :func:`plot_space` and :func:`torchloom.tune.cli.tune_command` for output;
+* :func:`plot_space` and :func:`torchloom.apps.tune_cli.tune_command` for output;
 * :func:`tune_layouts`: tensor, sequence, pipeline and data parallelism, checkpoint ratio
   and micro-batch on N devices, pruned and ordered by :mod:`torchloom.plan`, the best few
   measured (:mod:`~torchloom.tune.layouts`).
@@ -34,11 +34,11 @@ The pieces, each usable alone:
 from __future__ import annotations
 
 from .database import Database, TrialRecord
-from .errors import TuneDatabaseError, TuneError
+from ..core.errors import TuneDatabaseError, TuneError
 from .evaluate import Evaluator, Result, TrainEvaluator
 from .fingerprint import study_fingerprint
 from .layouts import LayoutTrial, LayoutTuneResult, measure_on_local_ranks, tune_layouts
-from .memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
+from ..runtime.memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
 from .plot import plot_space
 from .space import Space, Symbol, point_key
 from .strategies import BinarySearch, Exhaustive, ModelBased, Strategy, make_strategy

@@ -18,7 +18,7 @@ The file is data the tuner did not necessarily write: it is opened only if it is
 torchloom tuner database (SQLite with torchloom's application id and schema version, a
 ``trials`` table of the expected columns), and every row read is checked (a point that
 is a JSON object in canonical form, a known status, numbers where numbers belong, a
-recipe that is JSON). Anything else raises :class:`~torchloom.tune.errors.TuneDatabaseError`
+recipe that is JSON). Anything else raises :class:`~torchloom.core.errors.TuneDatabaseError`
 naming the file and what is wrong; nothing in a row is ever run.
 
 >>> db = Database(":memory:")
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from .errors import TuneDatabaseError
+from ..core.errors import TuneDatabaseError
 from .space import Point, point_key
 
 __all__ = ["APPLICATION_ID", "FINISHED", "SCHEMA_VERSION", "Database", "TrialRecord"]

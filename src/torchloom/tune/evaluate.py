@@ -10,7 +10,7 @@ CPU (or any device the model lives on) and reports
   shrugs off a step that other processes on a shared machine slowed down);
 * peak memory: the peak of the distinct storages alive during one steady training step
   (the second: the first creates the optimizer state), followed by
-  :class:`~torchloom.tune.memory.LiveBytes`: parameters, optimizer state, inputs,
+  :class:`~torchloom.runtime.memory.LiveBytes`: parameters, optimizer state, inputs,
   activations, recomputation, gradients and temporaries, as the allocator would hold
   them. That step is untimed (following storages slows every operator down); then come
   ``warmup`` untimed and ``steps`` timed steps.
@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..build import build
-from ..recipe import Recipe, apply_recipe
-from .memory import LiveBytes, default_loss
+from ..runtime.build import build
+from ..core.recipe import Recipe, apply_recipe
+from ..runtime.memory import LiveBytes, default_loss
 
 __all__ = ["Evaluator", "Result", "TrainEvaluator", "describe_exception"]
 

@@ -84,7 +84,7 @@ def describe_space(space: Space) -> dict[str, Any]:
 
 def study_fingerprint(make_model: Callable[[], nn.Module], space: Space) -> str:
     """The hex SHA-256 of the model (built by ``make_model`` under fake mode) and space."""
-    from .memory import fake_mode
+    from ..runtime.memory import fake_mode
 
     with fake_mode():
         model = make_model()

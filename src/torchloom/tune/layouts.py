@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import TuneError
+from ..core.errors import TuneError
 
 if TYPE_CHECKING:  # torchloom.plan imports torchloom.tune.memory: imported on use here
     from ..plan import Layout, Prediction, Profile
@@ -111,7 +111,7 @@ def measure_on_local_ranks(model: str, *, batch_size: int, size: str = "tiny",
     ``tokens_per_s`` (the global batch over the median of the slowest rank's timed steps)
     and ``peak`` (the largest rank's peak of live storages). ``model`` is a zoo name."""
     def measure(layout: Layout, knobs: dict[str, Any]) -> dict[str, Any]:
-        from ..launch import raise_first_failure, run_ranks
+        from ..runtime.launch import raise_first_failure, run_ranks
         from ..plan.validate import measure_many
 
         if layout.mixed_precision:

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .errors import TuneError
+from ..core.errors import TuneError
 
 __all__ = ["Point", "Space", "Symbol", "point_key"]
 

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .database import TrialRecord
-from .errors import TuneError
+from ..core.errors import TuneError
 from .space import Point, Space, point_key
 
 __all__ = ["STRATEGIES", "BinarySearch", "Exhaustive", "ModelBased", "Strategy", "make_strategy"]

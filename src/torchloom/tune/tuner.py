@@ -51,14 +51,14 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import RecipeError
-from ..recipe import Recipe
-from ..schedule import Schedule, create_schedule
+from ..core.errors import RecipeError
+from ..core.recipe import Recipe
+from ..core.schedule import Schedule, create_schedule
 from .database import Database, TrialRecord
-from .errors import TuneError
+from ..core.errors import TuneError
 from .fingerprint import study_fingerprint
 from .evaluate import Evaluator, Result, describe_exception
-from .memory import CostModel, MemoryEstimate, fake_mode
+from ..runtime.memory import CostModel, MemoryEstimate, fake_mode
 from .space import Point, Space, point_key
 from .strategies import Strategy, make_strategy
 

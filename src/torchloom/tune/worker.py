@@ -18,7 +18,7 @@ process (a crash, a leak).
 The model and input factories cross the process boundary by import path, so they must be
 module-level functions (``"package.module:function"``, or the function itself).
 
->>> ev = TorchrunEvaluator("torchloom.zoo:make_model", "mypackage.data:make_inputs",
+>>> ev = TorchrunEvaluator("torchloom.schedules.zoo:make_model", "mypackage.data:make_inputs",
 ...                        nproc=2, make_model_kwargs={"name": "gpt2", "seed": 0})
 >>> ev.command("spec.json", "out.json")[1:6]
 ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2']
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from ..collectives import guard_collective
-from ..recipe import Recipe, import_ref, ref_of
-from .errors import TuneError
+from ..runtime.collectives import guard_collective
+from ..core.recipe import Recipe, import_ref, ref_of
+from ..core.errors import TuneError
 from .evaluate import Result, TrainEvaluator, describe_exception
 
 __all__ = ["TorchrunEvaluator", "main"]

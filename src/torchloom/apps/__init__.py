@@ -1,0 +1,1 @@
+"""Applications on top of the library: the command line, training, benchmarks, data."""

@@ -1,0 +1,427 @@
+"""The options of ``torchloom train``: one frozen dataclass that checks itself when it is
+made, and a TOML loader whose values the command-line flags override.
+
+Preconditions: none (no file is written; a model folder, a data path and a TOML file are
+only looked at). Every bad value raises a :class:`TrainOptionError` (a
+:class:`~torchloom.core.errors.ScheduleError`) that names the option as its flag, the value and
+a fix, before any model is made, any rank started or any file written. What needs the
+model or the data (a sequence longer than the model's positions, a tokenizer larger than
+the vocabulary, a save directory of another run) is checked next, still before any rank
+starts, by :func:`torchloom.apps.train.check_config`.
+
+``--model`` is one of three kinds (:attr:`TrainConfig.model_kind`): a zoo name
+(``"zoo"``), a folder with a ``config.json`` (``"folder"``: transformers ``save_pretrained``
+output; its weights are loaded and its tokenizer, if any, tokenises ``--data``), or a
+``.json`` config file (``"config"``: random initialisation).
+
+>>> cfg = TrainConfig(model="llama", steps=10, warmup_steps=2, lr_decay="linear")
+>>> cfg.model_kind, cfg.warmup(), cfg.micro_batch()
+('zoo', 2, 8)
+>>> TrainConfig(lr=-1.0)
+Traceback (most recent call last):
+...
+torchloom.apps.jobconfig.TrainOptionError: torchloom train(...): --lr -1.0: the peak learning rate must be a positive number
+    values: lr=-1.0
+    fix: --lr 0.001 (in a TOML file: lr = 0.001)
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "run.toml")
+>>> _ = open(path, "w").write('steps = 4\\nbatch-size = 2\\nlr-decay = "linear"\\n')
+>>> load_toml(path)
+{'steps': 4, 'batch_size': 2, 'lr_decay': 'linear'}
+>>> cfg = options(toml=path, flags={"steps": 6})   # flags win over the file
+>>> cfg.steps, cfg.batch_size, cfg.lr_decay
+(6, 2, 'linear')
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ..core.errors import ScheduleError
+
+__all__ = ["DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "RUN_FIELDS", "TrainConfig",
+           "TrainOptionError", "load_toml", "model_kind", "options"]
+
+PRIMITIVE = "torchloom train"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")
+DECAYS = ("cosine", "linear", "constant")
+DP_MODES = ("ddp", "fsdp")
+
+RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batches", "steps",
+              "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",
+              "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "dp",
+              "dp_mode", "pp", "n_microbatches", "sequence_parallel", "ckpt_ratio",
+              "deterministic")
+"""The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
+everything that changes what a step computes. Not compared: the device, where and how often
+to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
+
+
+class TrainOptionError(ScheduleError):
+    """An option of ``torchloom train`` (a flag or a key of the TOML file) has a bad value."""
+
+
+def model_kind(model: str) -> str | None:
+    """``"zoo"``, ``"folder"`` (a directory with ``config.json``), ``"config"`` (an existing
+    ``.json`` file) or None (none of these).
+
+    >>> model_kind("gpt2"), model_kind("no/such/folder")
+    ('zoo', None)
+    """
+    from ..schedules import zoo
+
+    if model in zoo.list_models():
+        return "zoo"
+    if os.path.isdir(model):
+        return "folder" if os.path.isfile(os.path.join(model, "config.json")) else None
+    if os.path.isfile(model) and model.endswith(".json"):
+        return "config"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run; every field is an option of ``torchloom train`` (the flag is the
+    name with dashes, the TOML key the name). Made only with valid values."""
+
+    model: str = "gpt2"
+    """A zoo name, a transformers model folder (config.json + weights) or a config.json."""
+    size: str = "tiny"
+    """Zoo size (zoo models only)."""
+    data: tuple[str, ...] = ()
+    """Text files or folders (every non-hidden file below); empty: the bytes of Python's
+    standard-library source."""
+    eval_fraction: float = 0.1
+    """With ``eval_every``: the share of the tokens (their tail) held out for evaluation."""
+    eval_every: int = 0
+    """Evaluate the held-out loss every N steps and at the last step (0: never)."""
+    eval_batches: int = 4
+    """Batches of ``batch_size`` held-out windows per evaluation (fewer if they do not fit)."""
+    steps: int = 20
+    batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    grad_accum: int = 1
+    """Micro-steps (forward + backward) per optimizer step; the batch is split over them."""
+    seq_len: int = 64
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps (None: 10% of ``steps``, at least 1)."""
+    lr_decay: str = "cosine"
+    """After warm-up: ``cosine`` or ``linear`` down to ``min_lr_ratio * lr``, or ``constant``."""
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_grad: float = 0.0
+    """Clip the global gradient norm (over every shard and stage) to this; 0: no clipping."""
+    seed: int = 0
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL; one device per local rank, ``LOCAL_RANK``)."""
+    dtype: str = "fp32"
+    """``fp32``, or ``bf16``: bf16 autocast (weights and optimizer in fp32); with
+    ``dp_mode="fsdp"`` FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduction)."""
+    tp: int = 1
+    dp: int = 1
+    dp_mode: str = "ddp"
+    """How the data-parallel ranks share the model: ``ddp`` (replicas) or ``fsdp`` (FSDP2)."""
+    pp: int = 1
+    """Pipeline stages (the layers split evenly), run with the 1F1B schedule."""
+    n_microbatches: int = 4
+    sequence_parallel: bool = False
+    ckpt_ratio: float = 0.0
+    save_dir: str | None = None
+    save_every: int = 0
+    """Save after every ``save_every`` steps (0: only at the end, if ``save_dir``)."""
+    resume: bool = False
+    allow_config_change: bool = False
+    """Resume even if the checkpoint was saved by a run with another configuration."""
+    stop_after: int | None = None
+    """Stop after this step (and save), keeping the learning-rate schedule of ``steps``:
+    for jobs that run in slices of a time limit."""
+    save_pretrained: str | None = None
+    """At the end of the run, write the trained model here (transformers folder)."""
+    metrics: str | None = None
+    """Append one JSON object per step (and per evaluation) to this file."""
+    tensorboard: str | None = None
+    """Also write the metrics as TensorBoard events into this folder (needs tensorboard)."""
+    deterministic: bool = True
+    threads: int = 0
+    """torch threads per rank; 0: the cores divided by the ranks."""
+    timeout: float = 120.0
+    """Seconds a collective waits for the other ranks."""
+    progress: bool = True
+    """A live progress bar on a terminal (rank 0)."""
+    _kind: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, (str, os.PathLike)):
+            object.__setattr__(self, "data", (os.fspath(self.data),))
+        elif isinstance(self.data, list):
+            object.__setattr__(self, "data", tuple(self.data))
+        _validate(self)
+        object.__setattr__(self, "_kind", model_kind(self.model) or "")
+
+    @property
+    def model_kind(self) -> str:
+        """``"zoo"``, ``"folder"`` or ``"config"`` (see :func:`model_kind`)."""
+        return self._kind
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def warmup(self) -> int:
+        """The warm-up steps in effect."""
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 10)
+
+    def micro_batch(self) -> int:
+        """Sequences per forward on one data-parallel rank."""
+        return self.batch_size // (self.dp * self.grad_accum)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("_kind")
+        return out
+
+    def run_fields(self) -> dict[str, Any]:
+        """The :data:`RUN_FIELDS` as JSON data (lists, not tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in ((k, getattr(self, k)) for k in RUN_FIELDS)}
+
+
+FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig) if f.init}
+FLAGS["sequence_parallel"] = "--sp"
+_DEFAULTS = TrainConfig.__dataclass_fields__
+
+
+def _fail(name: str, value: Any, problem: str, example: Any,
+          values: dict[str, Any] | None = None) -> TrainOptionError:
+    flag = FLAGS[name]
+    shown = f"{flag} {value!r}" if not isinstance(value, bool) else f"{flag}={value!r}"
+    toml = repr(example) if isinstance(example, str) else (
+        str(example).lower() if isinstance(example, bool) else str(example))
+    cli = example if not isinstance(example, (list, tuple)) else " ".join(example)
+    fix = f"{flag} {cli}" if not isinstance(example, bool) else (
+        flag if example else f"leave {flag} out")
+    return TrainOptionError(f"{shown}: {problem}", primitive=PRIMITIVE,
+                            values=values or {name: value},
+                            fix=f"{fix} (in a TOML file: {name} = {toml})")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+_INTS = {  # name: (lowest allowed, what it is, example)
+    "steps": (1, "the number of training steps", 200),
+    "batch_size": (1, "the batch size", 8),
+    "grad_accum": (1, "the number of accumulation micro-steps", 2),
+    "seq_len": (2, "the sequence length (tokens per window)", 128),
+    "eval_every": (0, "the evaluation interval (0: never)", 50),
+    "eval_batches": (1, "the number of evaluation batches", 4),
+    "save_every": (0, "the checkpoint interval (0: at the end)", 20),
+    "tp": (1, "the tensor-parallel degree", 2),
+    "dp": (1, "the data-parallel degree", 2),
+    "pp": (1, "the number of pipeline stages", 2),
+    "n_microbatches": (1, "the number of pipeline micro-batches", 4),
+    "threads": (0, "the number of torch threads (0: automatic)", 2),
+}
+_CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES}
+_PATHS = ("save_dir", "save_pretrained", "metrics", "tensorboard")
+_BOOLS = ("sequence_parallel", "resume", "allow_config_change", "deterministic", "progress")
+
+
+def _validate(c: TrainConfig) -> None:
+    """Types, ranges, choices and combinations; the model and data paths must exist."""
+    from ..schedules import zoo
+
+    for name in ("model", "size"):
+        value = getattr(c, name)
+        if not isinstance(value, str) or not value:
+            raise _fail(name, value, "must be a non-empty string", _DEFAULTS[name].default)
+    for name in _BOOLS:
+        if not isinstance(getattr(c, name), bool):
+            raise _fail(name, getattr(c, name), "must be true or false", True)
+    for name, (low, what, example) in _INTS.items():
+        value = getattr(c, name)
+        if not _is_int(value) or value < low:
+            need = "a positive integer" if low == 1 else (
+                "a non-negative integer" if low == 0 else f"an integer of at least {low}")
+            raise _fail(name, value, f"{what} must be {need}", example)
+    for name, example in (("warmup_steps", 100), ("stop_after", 10)):
+        value = getattr(c, name)
+        if value is not None and (not _is_int(value) or value < (0 if name == "warmup_steps" else 1)):
+            raise _fail(name, value, "must be a " + (
+                "non-negative" if name == "warmup_steps" else "positive") + " integer", example)
+    if not _is_int(c.seed):
+        raise _fail("seed", c.seed, "the seed must be an integer", 0)
+    if not _is_number(c.lr) or c.lr <= 0:
+        raise _fail("lr", c.lr, "the peak learning rate must be a positive number", 1e-3)
+    for name, low, high, example in (("min_lr_ratio", 0.0, 1.0, 0.1),
+                                     ("ckpt_ratio", 0.0, 1.0, 0.5)):
+        value = getattr(c, name)
+        if not _is_number(value) or not low <= value <= high:
+            raise _fail(name, value, f"must be a number from {low:g} to {high:g}", example)
+    if not _is_number(c.eval_fraction) or not 0 < c.eval_fraction < 1:
+        raise _fail("eval_fraction", c.eval_fraction,
+                    "the held-out share must be a number between 0 and 1 (exclusive)", 0.1)
+    for name, example in (("weight_decay", 0.01), ("clip_grad", 1.0)):
+        value = getattr(c, name)
+        if not _is_number(value) or value < 0:
+            raise _fail(name, value, "must be a non-negative number (0: off)", example)
+    if not _is_number(c.timeout) or c.timeout <= 0:
+        raise _fail("timeout", c.timeout, "the collective timeout must be a positive number of "
+                    "seconds", 120)
+    for name, choices in _CHOICES.items():
+        value = getattr(c, name)
+        if value not in choices:
+            raise _fail(name, value, f"must be one of {', '.join(choices)}", choices[0],
+                        {name: value, "choices": list(choices)})
+    for name in _PATHS:
+        value = getattr(c, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise _fail(name, value, "must be a path (a non-empty string)", f"runs/{name}")
+    if not all(isinstance(p, str) and p for p in c.data):
+        raise _fail("data", list(c.data), "must be paths of text files or folders",
+                    ["corpus/"])
+    _check_model(c, zoo)
+    _check_combinations(c)
+    for path in c.data:
+        if not os.path.exists(path):
+            raise _fail("data", path, "no such file or folder", ["corpus/"],
+                        {"data": path, "cwd": os.getcwd()})
+
+
+def _check_model(c: TrainConfig, zoo: Any) -> None:
+    if c.size not in zoo.SIZES:
+        raise _fail("size", c.size, f"unknown zoo size; sizes: {', '.join(zoo.SIZES)}", "tiny")
+    if model_kind(c.model) is not None:
+        return
+    if os.path.isdir(c.model):
+        raise _fail("model", c.model, "the folder has no config.json (a transformers model "
+                    "folder, as save_pretrained writes it, has one)", "path/to/model-folder",
+                    {"model": c.model, "contents": sorted(os.listdir(c.model))[:8]})
+    near = difflib.get_close_matches(c.model, zoo.list_models(), n=1)
+    hint = f"--model {near[0]}" if near else "--model gpt2"
+    raise TrainOptionError(
+        f"--model {c.model!r}: not a zoo model, a model folder (with config.json) or a "
+        "config .json file", primitive=PRIMITIVE,
+        values={"model": c.model, "zoo": zoo.list_models()},
+        fix=f"{hint}, or --model path/to/folder (in a TOML file: model = "
+        f"{near[0] if near else 'gpt2'!r})")
+
+
+def _check_combinations(c: TrainConfig) -> None:
+    per_rank = c.dp * c.grad_accum
+    if c.batch_size % per_rank:
+        raise TrainOptionError(
+            f"--batch-size {c.batch_size} does not split into --dp {c.dp} x --grad-accum "
+            f"{c.grad_accum} = {per_rank} equal micro-batches", primitive=PRIMITIVE,
+            values={"batch_size": c.batch_size, "dp": c.dp, "grad_accum": c.grad_accum},
+            fix=f"--batch-size {max(per_rank, c.batch_size // per_rank * per_rank)} (a "
+            f"multiple of {per_rank}; in a TOML file: batch_size = ...)")
+    if c.pp > 1 and c.micro_batch() % c.n_microbatches:
+        raise TrainOptionError(
+            f"the {c.micro_batch()} sequences of a pipeline's batch (--batch-size "
+            f"{c.batch_size} / --dp {c.dp}) do not split into --n-microbatches "
+            f"{c.n_microbatches}", primitive=PRIMITIVE,
+            values={"batch_size": c.batch_size, "dp": c.dp,
+                    "n_microbatches": c.n_microbatches},
+            fix=f"--batch-size {c.dp * c.n_microbatches * max(1, c.micro_batch() // c.n_microbatches)}"
+            f" or --n-microbatches dividing {c.micro_batch()}")
+    if c.sequence_parallel and c.tp < 2:
+        raise TrainOptionError(
+            "--sp: sequence parallelism needs --tp 2 or more", primitive=PRIMITIVE,
+            values={"sequence_parallel": True, "tp": c.tp},
+            fix="--tp 2 --sp, or leave --sp out (in a TOML file: sequence_parallel = false)")
+    if c.pp > 1 and c.grad_accum > 1:
+        raise TrainOptionError(
+            "--grad-accum with --pp: a pipeline already accumulates over its micro-batches",
+            primitive=PRIMITIVE, values={"grad_accum": c.grad_accum, "pp": c.pp},
+            fix=f"--n-microbatches {c.n_microbatches * c.grad_accum} instead of --grad-accum "
+            f"{c.grad_accum}")
+    if c.pp > 1 and c.dtype == "bf16":
+        raise TrainOptionError(
+            "--dtype bf16 with --pp: the pipeline's send and receive buffers are sized in fp32 "
+            "when it is built", primitive=PRIMITIVE, values={"dtype": c.dtype, "pp": c.pp},
+            fix="--dtype fp32 with --pp, or bf16 with --tp / --dp")
+    if c.dp_mode == "fsdp" and c.pp > 1:
+        raise TrainOptionError(
+            "--dp-mode fsdp with --pp: a pipeline's data-parallel replicas average their "
+            "gradients (ddp)", primitive=PRIMITIVE, values={"dp_mode": c.dp_mode, "pp": c.pp},
+            fix="--dp-mode ddp with --pp")
+    if c.dp_mode == "fsdp" and c.save_dir:
+        raise TrainOptionError(
+            "--dp-mode fsdp with --save-dir: torchloom checkpoints hold tensor-parallel "
+            "shards, not FSDP2's DTensor shards, yet", primitive=PRIMITIVE,
+            values={"dp_mode": c.dp_mode, "save_dir": c.save_dir},
+            fix="--dp-mode ddp to save checkpoints, or --save-pretrained DIR (which FSDP2 "
+            "runs can write) without --save-dir")
+    if c.resume and not c.save_dir:
+        raise TrainOptionError(
+            "--resume needs the checkpoint directory", primitive=PRIMITIVE,
+            values={"resume": True, "save_dir": None},
+            fix="torchloom train --save-dir runs/gpt2 --resume")
+    if c.warmup_steps is not None and c.warmup_steps > c.steps:
+        raise _fail("warmup_steps", c.warmup_steps, f"more warm-up steps than --steps "
+                    f"{c.steps}", max(1, c.steps // 10),
+                    {"warmup_steps": c.warmup_steps, "steps": c.steps})
+    if c.tensorboard is not None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise _fail("tensorboard", c.tensorboard, "TensorBoard is not installed",
+                        c.tensorboard, {"tensorboard": c.tensorboard}) from None
+
+
+def _key(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options in a TOML file: top-level keys named as the flags (``batch-size``) or
+    the fields (``batch_size``); an unknown key, or a file that is not TOML, is a
+    :class:`TrainOptionError`. Values are checked by :class:`TrainConfig`."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise TrainOptionError(
+            f"--config {path!r}: cannot read the file: {exc.strerror}", primitive=PRIMITIVE,
+            values={"config": path}, fix="--config run.toml (a TOML file of options)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TrainOptionError(
+            f"--config {path!r}: not a TOML file: {exc}", primitive=PRIMITIVE,
+            values={"config": path},
+            fix='write options as key = value lines, e.g. steps = 200 and model = "gpt2"'
+        ) from None
+    known = [n for n in FLAGS]
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = _key(name)
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            raise TrainOptionError(
+                f"--config {path!r}: unknown option {name!r}", primitive=PRIMITIVE,
+                values={"config": path, "option": name},
+                fix=(f"did you mean {near[0]!r}? " if near else "") +
+                f"options: {', '.join(known)}")
+        out[key] = value
+    return out
+
+
+def options(toml: str | os.PathLike[str] | None = None,
+            flags: dict[str, Any] | None = None) -> TrainConfig:
+    """The run's options: the TOML file's, then ``flags`` (the ones given on the command
+    line) on top, then the defaults; checked (:class:`TrainOptionError`)."""
+    return TrainConfig(**{**(load_toml(toml) if toml is not None else {}), **(flags or {})})

@@ -1,0 +1,491 @@
+"""``torchloom plan MODEL --gpus N --gpu h100-80gb``: memory per GPU and the fastest layout,
+before renting the GPUs.
+
+* With the degrees given (``--tp``, ``--pp``, ``--dp``; one may be left out and is
+  derived from ``--gpus``): a table per pipeline stage of memory by kind (parameters,
+  gradients, optimizer state, runtime buffers, activations, peak) and whether it fits,
+  and of time by kind (compute, exposed communication, bubble, optimizer), then the
+  collectives of a step.
+* Without them: every valid layout (:func:`torchloom.plan.search`), the ``--top`` fastest
+  that fit printed with their schedule and the command that trains them (or why
+  ``torchloom train`` cannot run that layout today).
+
+``--json PATH`` writes the predictions, ``--plot PATH`` a PNG (the searched layouts by
+peak memory and throughput; with degrees given, memory by kind per stage). ``--measure``
+plans for this machine instead of ``--gpu`` (:func:`torchloom.plan.measure_local`).
+
+Register it on the ``torchloom`` command line with::
+
+    from .plan.cli import plan_command
+    app.command("plan")(clean_errors(plan_command))
+
+>>> from typer.testing import CliRunner
+>>> result = CliRunner().invoke(app, ["gpt2", "--gpus", "2", "--tp", "2", "--seq-len", "32"])
+>>> result.exit_code, "train it: torchrun" in result.output
+(0, True)
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .cli_errors import clean_errors
+from ..core.errors import PlanError
+from ..plan.layout import Layout
+from ..plan.predict import Prediction, predict
+from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
+from ..plan.search import SearchResult, search
+from ..plan.spec import ModelSpec, model_spec
+
+__all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
+           "plot_roles"]
+
+GIB = 2**30
+_DTYPES = {  # --dtype -> (param dtype, mixed precision)
+    "fp32": ("fp32", None), "bf16": ("fp32", "bf16"), "fp16": ("fp32", "fp16"),
+    "bf16-params": ("bf16", None),
+}
+
+
+def _gib(n: float) -> str:
+    """Bytes in the largest binary unit that keeps them above one."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _secs(t: float) -> str:
+    if t == 0:
+        return "0"
+    if t < 1e-3:
+        return f"{t * 1e6:.1f} us"
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
+                  gpus_per_node: int = 8) -> tuple[str | None, str | None]:
+    """The ``torchloom train`` command of ``layout`` (``torchrun`` for several ranks), or
+    None and why ``torchloom train`` refuses the layout today.
+
+    >>> cmd, why = train_command(model_spec("llama"), Layout(tp=2, dp=2, micro_batch=2))
+    >>> cmd.split(" -m ")[1]
+    'torchloom train --model llama --size tiny --batch-size 4 --seq-len 128 --tp 2 --dp 2 --dp-mode ddp --device cuda'
+    """
+    from .jobconfig import TrainConfig, TrainOptionError
+
+    if spec.command is None:
+        return None, "the model is a Python class: train it with torchloom.build in Python"
+    if layout.param_dtype != "fp32":
+        return None, f"torchloom train keeps fp32 weights (--dtype fp32 or bf16), not " \
+                     f"{layout.param_dtype}"
+    if layout.mixed_precision not in (None, "bf16"):
+        return None, f"torchloom train has no {layout.mixed_precision} autocast"
+    if layout.stage_cuts is not None:
+        return None, "torchloom train splits the layers evenly"
+    fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
+                              "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
+                              "pp": layout.pp, "dp_mode": layout.dp_mode,
+                              "dtype": "bf16" if layout.mixed_precision else "fp32",
+                              "sequence_parallel": layout.sp,
+                              "ckpt_ratio": float(layout.ckpt_ratio), "device": device}
+    if spec.size is not None:
+        fields["size"] = spec.size
+    if layout.pp > 1:
+        fields["n_microbatches"] = layout.n_microbatches
+    else:
+        fields["grad_accum"] = layout.n_microbatches
+    try:
+        TrainConfig(**fields)
+    except TrainOptionError as err:
+        return None, err.problem
+    flags = ["--model", spec.command]
+    if spec.size is not None:
+        flags += ["--size", spec.size]
+    flags += ["--batch-size", str(layout.batch_size), "--seq-len", str(layout.seq_len)]
+    for name in ("tp", "dp", "pp"):
+        if getattr(layout, name) > 1:
+            flags += [f"--{name}", str(getattr(layout, name))]
+    if layout.dp > 1:
+        flags += ["--dp-mode", layout.dp_mode]
+    if layout.pp > 1:
+        flags += ["--n-microbatches", str(layout.n_microbatches)]
+    elif layout.n_microbatches > 1:
+        flags += ["--grad-accum", str(layout.n_microbatches)]
+    if layout.sp:
+        flags.append("--sp")
+    if layout.ckpt_ratio:
+        flags += ["--ckpt-ratio", f"{layout.ckpt_ratio:g}"]
+    if layout.mixed_precision:
+        flags += ["--dtype", "bf16"]
+    flags += ["--device", device]
+    world = layout.world
+    nodes = max(1, -(-world // gpus_per_node))
+    per_node = min(world, gpus_per_node)
+    launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node}" if world > 1 else "python"
+    return f"{launch} -m torchloom train {shlex.join(flags)}", None
+
+
+def schedule_text(layout: Layout) -> str:
+    """The schedule of a layout as Python (the built-in schedule's knobs and the build)."""
+    knobs = []
+    if layout.tp > 1:
+        knobs.append("tp=True")
+    if layout.sp:
+        knobs.append("sequence_parallel=True")
+    if layout.ckpt_ratio:
+        knobs.append(f"ckpt_ratio={layout.ckpt_ratio:g}")
+    lines = [f"models.apply_schedule(sch{''.join(', ' + k for k in knobs)})"]
+    if layout.pp > 1:
+        lines.append(f"# cut {layout.pp - 1} stage(s) after trace_until, then")
+        lines.append(f"tl.build(sch, target='pipeline', schedule={layout.pipeline_schedule!r}, "
+                     f"n_microbatches={layout.n_microbatches}, mesh=mesh, ...)")
+    elif layout.dp > 1:
+        lines.append(f"tl.build(sch, target={layout.dp_mode!r}, mesh=mesh)")
+    else:
+        lines.append("tl.build(sch)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _roles_table(p: Prediction) -> Table:
+    lay = p.layout
+    table = Table(title=f"{p.model} on {lay.world} x {p.profile.name}: {lay.describe()}, "
+                        f"batch {lay.batch_size} x {lay.seq_len} tokens; memory per GPU")
+    for col in ("stage", "ranks", "layers", "params", "grads", "optim. state", "buffers",
+                "activations", "peak", "fits"):
+        table.add_column(col, justify="left" if col in ("stage", "fits") else "right")
+    for r in p.roles:
+        m = r.memory
+        fits = "[green]yes[/]" if r.fits else f"[red]no[/] (> {_gib(p.profile.budget)})"
+        table.add_row(str(r.stage), str(r.ranks), str(r.layers), _gib(m.parameters),
+                      _gib(m.gradients), _gib(m.optimizer), _gib(m.buffers),
+                      _gib(m.activations), _gib(m.peak), fits)
+    return table
+
+
+def _time_table(p: Prediction) -> Table:
+    table = Table(title="time per step")
+    for col in ("stage", "compute", "exposed comm.", "bubble", "optimizer", "step"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for r in p.roles:
+        t = r.time
+        table.add_row(str(r.stage), _secs(t.compute), _secs(t.communication), _secs(t.bubble),
+                      _secs(t.optimizer), _secs(t.step))
+    return table
+
+
+def _collectives_table(p: Prediction) -> Table:
+    table = Table(title="collectives per step, per rank of each stage")
+    for col in ("stage", "kind", "group", "count", "bytes", "time"):
+        table.add_column(col, justify="right" if col in ("count", "bytes", "time") else "left")
+    for r in p.roles:
+        for c in r.collectives:
+            table.add_row(str(r.stage), c.kind, c.group, str(c.count), _gib(c.bytes),
+                          _secs(c.seconds))
+    return table
+
+
+def _summary(p: Prediction) -> str:
+    return (f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, "
+            f"{p.flops_per_step / 1e12:,.3g} TFLOP per step, peak {_gib(p.peak)} of "
+            f"{_gib(p.profile.budget)} usable")
+
+
+def _search_table(result: SearchResult, top: int, profile: Profile) -> Table:
+    table = Table(title=f"the fastest layouts that fit ({len(result.ranked)} predicted, "
+                        f"{len(result.rejected)} refused, {result.seconds:.1f} s)")
+    for col in ("#", "layout", "peak", "fits", "step", "tokens/s", "MFU", "bubble"):
+        table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
+    for i, p in enumerate(result.ranked[:top]):
+        bubble = max(r.time.bubble for r in p.roles)
+        table.add_row(str(i + 1), p.layout.describe(), _gib(p.peak),
+                      "[green]yes[/]" if p.fits else "[red]no[/]", _secs(p.step_time),
+                      f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", _secs(bubble))
+    return table
+
+
+def plot_search(result: SearchResult, path: str, title: str, budget: int) -> str:
+    """A PNG of the searched layouts: peak memory against throughput (fitting ones
+    filled), the memory budget as a line, the best one starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fits, marker in ((True, "o"), (False, "x")):
+        pts = [p for p in result.ranked if p.fits == fits]
+        if pts:
+            ax.scatter([p.peak / GIB for p in pts], [p.tokens_per_s for p in pts],
+                       marker=marker, c=[p.layout.tp for p in pts], cmap="viridis",
+                       label="fits" if fits else "does not fit", alpha=0.8)
+    ax.axvline(budget / GIB, color="red", linestyle="--", label="usable memory")
+    if result.best is not None:
+        b = result.best
+        ax.scatter([b.peak / GIB], [b.tokens_per_s], marker="*", s=250, color="gold",
+                   edgecolor="black", label=b.layout.describe(), zorder=5)
+    ax.set_xlabel("peak memory per GPU (GiB)")
+    ax.set_ylabel("predicted tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_roles(p: Prediction, path: str) -> str:
+    """A PNG of one layout: memory by kind, stacked, per pipeline stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(p.roles)
+    stages = [str(r.stage) for r in p.roles]
+    for kind in kinds:
+        vals = [getattr(r.memory, kind) / GIB for r in p.roles]
+        ax.bar(stages, vals, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(p.profile.budget / GIB, color="red", linestyle="--", label="usable memory")
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(p.layout.describe(), fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _degrees(gpus: int, tp: int | None, pp: int | None, dp: int | None
+             ) -> tuple[int, int, int] | None:
+    given = [x for x in (tp, pp, dp) if x is not None]
+    if len(given) < 2:
+        return None
+    known = 1
+    for x in given:
+        known *= x
+    if len(given) == 3:
+        if known != gpus:
+            raise PlanError(f"tp x pp x dp = {tp} x {pp} x {dp} = {known} is not --gpus {gpus}",
+                            primitive="torchloom plan", values={"tp": tp, "pp": pp, "dp": dp,
+                                                                "gpus": gpus},
+                            fix="give degrees whose product is --gpus, or leave one out")
+        return tp, pp, dp  # type: ignore[return-value]
+    if gpus % known:
+        raise PlanError(f"--gpus {gpus} does not divide by the degrees given ({known})",
+                        primitive="torchloom plan", values={"tp": tp, "pp": pp, "dp": dp,
+                                                            "gpus": gpus},
+                        fix="give degrees that divide --gpus")
+    rest = gpus // known
+    return (tp or rest, pp or rest, dp or rest)
+
+
+def plan_command(
+    model: str = typer.Argument(..., help="A zoo model (gpt2, llama, opt, bert), a config.json "
+                                "or a folder with one (e.g. a Llama-2-70B config)."),
+    gpus: int = typer.Option(..., min=1, help="Devices to plan for."),
+    gpu: str = typer.Option("h100-80gb", help=f"Device profile: {', '.join(PROFILES)}."),
+    measure: bool = typer.Option(False, "--measure", help="Measure this machine and plan "
+                                 "for it instead of --gpu."),
+    size: str = typer.Option("tiny", help="Zoo size (zoo models only)."),
+    seq_len: int = typer.Option(1024, min=2, help="Tokens per sequence."),
+    batch_size: int = typer.Option(None, min=1, help="Sequences per optimizer step over all "
+                                   "ranks (default: one per GPU)."),
+    tp: int = typer.Option(None, min=1, help="Tensor-parallel degree."),
+    pp: int = typer.Option(None, min=1, help="Pipeline stages."),
+    dp: int = typer.Option(None, min=1, help="Data-parallel degree."),
+    dp_mode: str = typer.Option(None, help="ddp or fsdp (default: both searched; ddp with "
+                                "degrees given)."),
+    sp: bool = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism (default: on "
+                            "with tensor parallelism)."),
+    ckpt_ratio: float = typer.Option(None, min=0.0, max=1.0, help="Checkpointed share of the "
+                                     "layers (default: 0, 0.5 and 1 searched; 0 with degrees)."),
+    micro_batch: int = typer.Option(None, min=1, help="Sequences per micro-batch (default: "
+                                    "1, 2, 4, 8 searched; the largest that divides the local "
+                                    "batch up to 8 with degrees)."),
+    pipeline_schedule: str = typer.Option("1F1B", help="GPipe or 1F1B."),
+    dtype: str = typer.Option(None, help="fp32; bf16 or fp16 (fp32 weights, autocast); "
+                              "bf16-params (everything bf16). Default: bf16 where the device "
+                              "has it, else fp16 (fp32 on a CPU)."),
+    optimizer: str = typer.Option("adamw", help="adamw, adam, sgd-momentum or sgd."),
+    top: int = typer.Option(5, min=1, help="Layouts printed by a search."),
+    measure_top: int = typer.Option(0, "--measure-top", min=0, help="After a search, train "
+                                    "the N best predicted layouts that fit for a few steps "
+                                    "on local gloo ranks (a zoo model, fp32: use with "
+                                    "--measure) and choose by measurement."),
+    measure_compile: str = typer.Option(None, "--measure-compile", help="With --measure-top: "
+                                        "also measure each layout with its layers compiled "
+                                        "by this torch.compile backend (e.g. inductor)."),
+    json_path: str = typer.Option(None, "--json", help="Write the predictions as JSON here "
+                                  "('-' for standard output)."),
+    plot: str = typer.Option(None, help="Write a PNG here."),
+) -> None:
+    """Predict per-GPU memory and step time of a model's layouts on N devices, and find the
+    fastest that fits (all on fake tensors in this process: no GPU needed)."""
+    console = Console(stderr=json_path == "-")
+    profile = measure_local() if measure else get_profile(gpu)
+    if dtype is None:
+        dtype = "bf16" if "bf16" in profile.flops and not measure else \
+            ("fp16" if "fp16" in profile.flops and not measure else "fp32")
+    if dtype not in _DTYPES:
+        raise PlanError(f"unknown --dtype {dtype!r}", primitive="torchloom plan",
+                        values={"dtype": dtype, "dtypes": list(_DTYPES)}, fix="--dtype bf16")
+    param_dtype, mixed = _DTYPES[dtype]
+    batch = batch_size or gpus
+    spec = model_spec(model, size=size, seq_len=seq_len)
+    common = dict(param_dtype=param_dtype, mixed_precision=mixed, optimizer=optimizer)
+    degrees = _degrees(gpus, tp, pp, dp)
+    device = "cpu" if profile.name.startswith("local-cpu") else "cuda"
+    payload: dict[str, Any]
+    if degrees is not None:
+        t, p_, d = degrees
+        if batch % d:
+            raise PlanError(f"a batch of {batch} sequences does not split between {d} "
+                            "data-parallel ranks", primitive="torchloom plan",
+                            values={"batch_size": batch, "dp": d},
+                            fix=f"--batch-size {d * max(1, batch // d)}")
+        local = batch // d
+        fitting = [m for m in (1, 2, 4, 8) if local % m == 0 and local // m >= p_]
+        mb = micro_batch or (max(fitting) if fitting else 1)
+        if local % mb:
+            raise PlanError(f"the local batch of {local} sequences does not split into "
+                            f"micro-batches of {mb}", primitive="torchloom plan",
+                            values={"local_batch": local, "micro_batch": mb},
+                            fix="a --micro-batch dividing the batch per data-parallel rank")
+        layout = Layout(tp=t, pp=p_, dp=d, sp=t > 1 if sp is None else sp,
+                        dp_mode=dp_mode or "ddp", pipeline_schedule=pipeline_schedule,
+                        n_microbatches=local // mb, micro_batch=mb, seq_len=seq_len,
+                        ckpt_ratio=ckpt_ratio or 0.0, **common)
+        with console.status("measuring the pieces of a step on fake tensors..."):
+            pred = predict(spec, layout, profile)
+        console.print(_roles_table(pred))
+        console.print(_time_table(pred))
+        console.print(_collectives_table(pred))
+        console.print(_summary(pred))
+        for note in pred.notes:
+            console.print(f"note: {note}")
+        cmd, why = train_command(spec, layout, device, profile.gpus_per_node)
+        console.print(f"train it: {cmd}" if cmd else f"torchloom train cannot run it: {why}")
+        payload = pred.to_dict()
+        if plot:
+            plot_roles(pred, plot)
+            console.print(f"wrote {plot}")
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+            TimeElapsedColumn
+
+        space: dict[str, Any] = dict(common, tp=tp, pp=pp, dp=dp, dp_mode=dp_mode, sp=sp,
+                                     pipeline_schedule=pipeline_schedule)
+        if ckpt_ratio is not None:
+            space["ckpt_ratios"] = (ckpt_ratio,)
+        if micro_batch is not None:
+            space["micro_batches"] = (micro_batch,)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("planning", total=None)
+
+            def progress(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total, description=what)
+
+            result = search(spec, gpus, profile, batch_size=batch, seq_len=seq_len,
+                            progress=progress, **space)
+        console.print(_search_table(result, top, profile))
+        for i, p in enumerate([p for p in result.ranked if p.fits][:top]):
+            cmd, why = train_command(spec, p.layout, device, profile.gpus_per_node)
+            console.print(f"[bold]#{i + 1}[/] {p.layout.describe()}: {_summary(p)}")
+            console.print("    " + schedule_text(p.layout).replace("\n", "\n    "))
+            console.print(f"    train it: {cmd}" if cmd else
+                          f"    torchloom train cannot run it: {why}")
+        if result.best is None:
+            console.print("[red]no layout fits[/]: the closest is "
+                          + (result.ranked[0].layout.describe() if result.ranked else "none")
+                          + "; try more GPUs, --ckpt-ratio 1, a smaller --batch-size or a "
+                          "larger device")
+        kernels = [{}, {"compile": measure_compile}] if measure_compile else [{}]
+        measured = _measure_top(model, size, gpus, profile, batch, seq_len, measure_top,
+                                kernels, space, console) if measure_top else None
+        payload = {"model": spec.name, "gpus": gpus, "profile": profile.name,
+                   "measured": measured,
+                   "batch_size": batch, "seq_len": seq_len, "seconds": result.seconds,
+                   "ranked": [p.to_dict() for p in result.ranked[:max(top, 20)]],
+                   "predicted": len(result.ranked),
+                   "refused": [{"layout": lay.describe(), "why": why}
+                               for lay, why in result.rejected]}
+        if plot:
+            plot_search(result, plot, f"{spec.name} on {gpus} x {profile.name}",
+                        profile.budget)
+            console.print(f"wrote {plot}")
+    if json_path:
+        text = json.dumps(payload, indent=1, default=str)
+        if json_path == "-":
+            print(text)
+        else:
+            with open(json_path, "w") as fh:
+                fh.write(text)
+            console.print(f"wrote {json_path}")
+
+
+def _measure_top(model: str, size: str, gpus: int, profile: Profile, batch: int,
+                 seq_len: int, count: int, kernels: list[dict[str, Any]],
+                 space: dict[str, Any], console: Console) -> list[dict[str, Any]]:
+    """``--measure-top``: :func:`torchloom.tune.tune_layouts` on local ranks; a table of
+    the measured layouts, the chosen one marked."""
+    from ..tune import tune_layouts
+
+    with console.status(f"training the {count} best predicted layouts on {gpus} local "
+                        "ranks..."):
+        tuned = tune_layouts(model, gpus, profile, batch_size=batch, seq_len=seq_len,
+                             measure_top=count, kernels=kernels, size=size, **space)
+    table = Table(title=f"measured on {gpus} local gloo ranks (fp32)")
+    for column in ("layout", "kernels", "predicted tok/s", "measured tok/s",
+                   "predicted peak", "measured peak", "chosen"):
+        table.add_column(column, justify="left" if column in ("layout", "kernels")
+                         else "right")
+    rows = []
+    for t in tuned.measured:
+        chosen = t is tuned.best
+        kernel_text = ", ".join(f"{k}={v}" for k, v in t.kernels.items()) or "-"
+        table.add_row(t.layout.describe(), kernel_text, f"{t.predicted_tokens_per_s:,.0f}",
+                      f"{t.measured_tokens_per_s:,.0f}", _gib(t.predicted_peak or 0),
+                      _gib(t.measured_peak or 0), "yes" if chosen else "")
+        rows.append({"layout": t.layout.to_dict(), "kernels": t.kernels,
+                     "predicted_tokens_per_s":
+                     t.predicted_tokens_per_s, "measured_tokens_per_s": t.measured_tokens_per_s,
+                     "predicted_peak": t.predicted_peak, "measured_peak": t.measured_peak,
+                     "chosen": chosen})
+    console.print(table)
+    for t in tuned.trials:
+        if t.status == "failed":
+            console.print(f"[red]failed[/]: {t.layout.describe()}: {escape(t.reason or '')}")
+    return rows
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="torchloom plan: per-GPU memory and step time of a model's layouts.")
+app.command()(clean_errors(plan_command))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m torchloom.apps.plan_cli MODEL --gpus N ...``."""
+    app(args=argv, prog_name="torchloom plan")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1055 @@
+"""The training loop behind ``torchloom train``: a zoo model, a transformers model folder
+or a config file, under its built-in schedule, on one process or a (pp, dp, tp) mesh, on
+local text (or Python's own source), with checkpoints that resume exactly.
+
+The model (``--model``, see :mod:`torchloom.apps.jobconfig`):
+
+* a zoo name: the zoo's model, randomly initialised from ``seed`` (its position table
+  grown to ``seq_len`` for gpt2, bert and llama);
+* a folder with ``config.json`` and weights (``save_pretrained`` output): the model is
+  made on ``meta`` (``AutoConfig`` + ``AutoModelForCausalLM.from_config`` under
+  :func:`~torchloom.init_empty_weights`), scheduled, and ``build(sch, weights=folder)``
+  reads each rank's slices; a tokenizer in the folder tokenises ``--data``;
+* a ``.json`` config file: the same, randomly initialised by ``build`` from ``seed``.
+
+The schedule is the class's built-in one, or the one derived from its transformers
+tensor-parallel plan (:func:`torchloom.schedules.apply_schedule`: tensor parallelism,
+sequence parallelism, checkpointing); a class with neither trains with checkpointing only
+(``ckpt_ratio`` on its layer lists) and refuses ``tp``.
+
+Everything a step depends on is a function of the step number, so a run killed at any
+point and resumed from its last checkpoint computes the same losses, bit for bit on CPU,
+as a run that was never interrupted:
+
+* the batch of step ``s`` is drawn with a generator seeded by ``(seed, s)``;
+* the random state (dropout) is re-seeded at the start of every step from ``(seed, s)``
+  (per tensor-parallel rank for the ``fork_rng`` state);
+* the learning rate is a function of ``s`` (:func:`lr_at`: warm-up, then decay);
+* evaluation reads fixed held-out windows with dropout off and draws nothing;
+* the weights and the optimizer state come from the checkpoint (``torchloom.save``).
+
+A step: ``grad_accum`` forward/backward micro-steps (DDP / FSDP2 synchronise only on the
+last one), the mean loss checked for NaN or infinity (a :class:`NonFiniteLossError`
+naming the step, raised before the step's optimizer update and before any checkpoint of
+it is written), the global gradient norm clipped (``clip_grad``: over every
+tensor-parallel shard, FSDP2 shard and pipeline stage), then AdamW. With ``dtype="bf16"``
+the forward runs under bf16 autocast (FSDP2: ``MixedPrecisionPolicy``).
+
+A checkpoint also holds the run's configuration (:data:`RUN_FIELDS` and the schedule's
+recipe): ``--resume`` with another one refuses, naming the fields that differ (unless
+``allow_config_change``), and ``--resume`` where nothing loadable exists refuses naming
+the directory and what it holds. A pipeline run saves each stage into its own
+``save_dir/stage-K`` (its optimizer state with it) and resumes from the newest step that
+every stage saved.
+
+Launch with ``torchrun --nproc-per-node N -m torchloom train --tp T --dp D --pp P``
+(N = T x D x P), or without torchrun on CPU: ``torchloom train --tp 2`` starts the ranks
+itself (gloo, local).
+
+>>> cfg = TrainConfig(model="gpt2", size="tiny", steps=2, batch_size=2, seq_len=16)
+>>> result = train_rank(0, cfg.to_dict())
+>>> len(result["losses"]), result["first_step"]
+(2, 1)
+>>> [round(lr_at(s, 10, 1.0, warmup=2, decay="linear"), 2) for s in (0, 1, 2, 9)]
+[0.5, 1.0, 1.0, 0.21]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import data
+from .. import schedules
+from ..schedules import zoo
+from ..core.outputs import no_cache_kwargs
+from ..runtime.build import build, init_empty_weights
+from ..runtime.collectives import guard_collective
+from ..core.errors import ScheduleError
+from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
+from ..core.meta import shard_spec
+from ..runtime.rng import get_rng_tracker, set_random_seed
+from ..core.schedule import create_schedule
+from ..runtime.state import (
+    CheckpointIOError,
+    CheckpointMismatchError,
+    check_save_dir,
+    describe_dir,
+    find_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save,
+)
+
+__all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError", "batch_at",
+           "check_config", "count_parameters", "layer_lists", "load_data", "lr_at",
+           "make_model", "meta_model", "run_config", "train_rank"]
+
+_PRIMITIVE = "torchloom train"
+_DEFAULTS = TrainConfig().run_fields()
+Report = Callable[[dict[str, Any]], None]
+
+
+class NonFiniteLossError(ScheduleError):
+    """The training loss became NaN or infinite; the run stopped before using it."""
+
+
+# --------------------------------------------------------------------------- schedule of a step
+
+
+def lr_at(step: int, steps: int, peak: float, *, warmup: int | None = None,
+          decay: str = "cosine", min_ratio: float = 0.1) -> float:
+    """The learning rate of (0-based) ``step``: linear warm-up over ``warmup`` steps (None:
+    10% of ``steps``, at least 1), then ``cosine`` or ``linear`` decay to ``min_ratio *
+    peak`` at the last step, or ``constant``.
+
+    >>> round(lr_at(0, 100, 1.0), 3), round(lr_at(99, 100, 1.0), 3)
+    (0.1, 0.1)
+    """
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if decay == "constant":
+        return peak
+    progress = (step - warmup) / max(1, steps - warmup)
+    if decay == "linear":
+        return peak * (min_ratio + (1 - min_ratio) * (1 - progress))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    return lr_at(step - 1, cfg.steps, cfg.lr, warmup=cfg.warmup(), decay=cfg.lr_decay,
+                 min_ratio=cfg.min_lr_ratio)
+
+
+def batch_at(step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """The token windows of step ``step`` (``batch_size`` x ``seq_len``) of the default
+    corpus (Python's source), a function of ``(seed, step)`` only."""
+    return data.window_batch(data.load_corpus(), step, batch_size, seq_len, seed)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The tokens of a run: ``train`` and (with evaluation) ``held_out``."""
+
+    train: torch.Tensor
+    held_out: torch.Tensor | None
+    tokenizer: str | None
+    """The folder whose tokenizer made the tokens (None: bytes)."""
+    description: str
+
+
+def load_data(cfg: TrainConfig) -> Corpus:
+    """The run's tokens (cached per process; see :mod:`torchloom.apps.data`)."""
+    folder = cfg.model if cfg.model_kind == "folder" and data.has_tokenizer(cfg.model) else None
+    if cfg.data:
+        tokens = data.token_stream(tuple(cfg.data), folder)
+        files = len(data.text_files(cfg.data))
+        what = f"{files} file{'s' if files != 1 else ''}"
+    else:
+        folder = None
+        tokens = data.load_corpus()
+        what = "Python's standard-library source"
+    unit = "tokens (the model folder's tokenizer)" if folder else "tokens (bytes)"
+    if cfg.eval_every:
+        train, held_out = data.split(tokens, cfg.eval_fraction)
+        text = (f"{what}: {tokens.numel():,} {unit}, {held_out.numel():,} held out "
+                f"for evaluation")
+    else:
+        train, held_out = tokens, None
+        text = f"{what}: {tokens.numel():,} {unit}"
+    return Corpus(train, held_out, folder, text)
+
+
+def _eval_count(cfg: TrainConfig, corpus: Corpus) -> int:
+    """Evaluation batches that fit the held-out tokens."""
+    assert corpus.held_out is not None
+    windows = corpus.held_out.numel() // cfg.seq_len
+    return min(cfg.eval_batches, windows // cfg.batch_size)
+
+
+def _check_data(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
+    if corpus.train.numel() <= cfg.seq_len:
+        raise data.DataError(
+            f"the training text holds {corpus.train.numel():,} tokens, not more than one "
+            f"window of --seq-len {cfg.seq_len}", primitive=_PRIMITIVE,
+            values={"data": list(cfg.data), "tokens": corpus.train.numel(),
+                    "seq_len": cfg.seq_len},
+            fix="add text, or use a shorter --seq-len")
+    if corpus.held_out is not None and _eval_count(cfg, corpus) < 1:
+        need = cfg.batch_size * cfg.seq_len
+        raise data.DataError(
+            f"the held-out split holds {corpus.held_out.numel():,} tokens, fewer than one "
+            f"evaluation batch of --batch-size {cfg.batch_size} x --seq-len {cfg.seq_len} = "
+            f"{need:,}", primitive=_PRIMITIVE,
+            values={"eval_fraction": cfg.eval_fraction, "held_out": corpus.held_out.numel()},
+            fix="raise --eval-fraction, add text, or lower --batch-size / --seq-len")
+    largest = int(corpus.train.max()) if corpus.train.numel() else 0
+    if corpus.held_out is not None and corpus.held_out.numel():
+        largest = max(largest, int(corpus.held_out.max()))
+    if largest >= vocab_size:
+        source = "the model folder's tokenizer" if corpus.tokenizer else "bytes"
+        raise data.DataError(
+            f"the text has token id {largest}, but the model's vocabulary has {vocab_size} "
+            f"entries (tokens: {source})", primitive=_PRIMITIVE,
+            values={"model": cfg.model, "vocab_size": vocab_size, "largest_token": largest},
+            fix="use the tokenizer the model was trained with (in its folder), or a model "
+            f"with vocab_size > {largest}")
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _hf_config(cfg: TrainConfig) -> Any:
+    """The transformers config of a folder or config-file model."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True,
+                                                       trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - a user's file
+        raise TrainOptionError(
+            f"--model {cfg.model!r}: the config does not load: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}", primitive=_PRIMITIVE,
+            values={"model": cfg.model},
+            fix="pass a folder written by save_pretrained, or a config.json of a "
+            "transformers model (model_type set)") from None
+
+
+def _from_config(cfg: TrainConfig, config: Any) -> nn.Module:
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise TrainOptionError(
+            f"--model {cfg.model!r}: {type(config).__name__} is not a causal language "
+            f"model transformers can build ({str(exc).splitlines()[0]})",
+            primitive=_PRIMITIVE, values={"model": cfg.model,
+                                          "model_type": getattr(config, "model_type", None)},
+            fix="train a causal LM (gpt2, llama, opt, ...): AutoModelForCausalLM must know "
+            "its config") from None
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+    return model.train()
+
+
+def meta_model(cfg: TrainConfig) -> nn.Module:
+    """The run's model on ``meta`` (nothing allocated): for checks, sizes and FLOPs."""
+    with init_empty_weights():
+        if cfg.model_kind == "zoo":
+            return zoo.make_model(cfg.model, cfg.size, seed=cfg.seed,
+                                  **_positions(cfg.model, cfg.size, cfg.seq_len))
+        return _from_config(cfg, _hf_config(cfg))
+
+
+def make_model(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, str | None]:
+    """The model to schedule, and the weights folder ``build`` reads (None: initialise).
+
+    A zoo model is real (initialised from ``seed``) and on ``device``; a folder or config
+    model is on ``meta`` except its buffers, which are moved to ``device``."""
+    if cfg.model_kind == "zoo":
+        model = zoo.make_model(cfg.model, cfg.size, seed=cfg.seed,
+                               **_positions(cfg.model, cfg.size, cfg.seq_len))
+        return (model.to(device) if device.type != "cpu" else model), None
+    model = meta_model(cfg)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+    return model, cfg.model if cfg.model_kind == "folder" else None
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of ``model`` (tied ones once; works on ``meta``)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def layer_lists(model: nn.Module, name: str | None = None) -> list[str]:
+    """The paths of the model's lists of transformer layers: the zoo's for a zoo ``name``,
+    else every ``nn.ModuleList`` not inside another one.
+
+    >>> layer_lists(zoo.make_model("llama"))
+    ['model.layers']
+    """
+    if name is not None and name in zoo.list_models():
+        return zoo.layer_paths(name)
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and \
+                not any(path.startswith(f + ".") for f in found):
+            found.append(path)
+    return found
+
+
+def _has_builtin_schedule(model: nn.Module) -> bool:
+    try:
+        schedules.schedule_for(model)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
+    """The built-in schedule with the run's knobs; a pipeline checkpoints its layers after
+    the stages are cut (:meth:`_Run.build_pipeline`), since tracing stops at checkpointed
+    layers."""
+    ckpt_ratio = cfg.ckpt_ratio if cfg.pp == 1 else 0.0
+    if _has_builtin_schedule(sch.mod):
+        knobs: dict[str, Any] = {"tp": cfg.tp > 1}
+        if cfg.sequence_parallel:
+            knobs["sequence_parallel"] = True
+        if ckpt_ratio:
+            knobs["ckpt_ratio"] = ckpt_ratio
+        schedules.apply_schedule(sch, **knobs)
+    elif ckpt_ratio:
+        for path in layer_lists(sch.mod):
+            sch[path].checkpoint(ratio=ckpt_ratio)
+
+
+_GROWN = frozenset({"gpt2", "bert", "llama"})
+"""Models whose position table ``torchloom train`` lengthens to ``--seq-len``."""
+
+
+def _positions(model: str, size: str, seq_len: int) -> dict[str, int]:
+    """Config overrides for sequences of ``seq_len`` tokens: the position table of gpt2,
+    bert and llama grows to fit; other models refuse a sequence longer than theirs."""
+    found = zoo.max_positions(model, size)
+    if found is None:
+        return {}
+    key, limit = found
+    if model in _GROWN:
+        return {key: max(limit, seq_len)}
+    if seq_len > limit:
+        raise ScheduleError(
+            f"--seq-len {seq_len} is longer than the {limit} positions of {model} ({size}): "
+            f"config field {key} = {limit}",
+            primitive=_PRIMITIVE,
+            values={"model": model, "size": size, "seq_len": seq_len, key: limit},
+            fix=f"torchloom train --model {model} --size {size} --seq-len {limit}")
+    return {}
+
+
+def _hf_positions(cfg: TrainConfig, config: Any) -> None:
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and cfg.seq_len > limit:
+            raise TrainOptionError(
+                f"--seq-len {cfg.seq_len} is longer than the {limit} positions of "
+                f"{cfg.model}: config field {key} = {limit}", primitive=_PRIMITIVE,
+                values={"model": cfg.model, "seq_len": cfg.seq_len, key: limit},
+                fix=f"--seq-len {limit}")
+
+
+def _text_models() -> list[str]:
+    return [m for m in zoo.list_models() if zoo._entry(m, _PRIMITIVE).kind != "image"]
+
+
+# --------------------------------------------------------------------------- checks up front
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """What can be checked before any rank starts, after the options themselves
+    (:class:`TrainConfig` checked those): the model takes tokens and has a config that
+    loads, the sequence fits its positions, the pipeline splits its layers, the data holds
+    enough tokens of the model's vocabulary, the device exists, the outputs may be
+    written, and ``--resume`` has something to resume (or a run without it would not
+    write over another run's checkpoints). Reads files only; raises a
+    :class:`ScheduleError` (exit status 2 on the command line).
+    """
+    if cfg.model_kind == "zoo" and zoo._entry(cfg.model, _PRIMITIVE).kind == "image":
+        supported = _text_models()
+        raise ScheduleError(
+            f"torchloom train feeds token windows of text, and {cfg.model} takes images",
+            primitive=_PRIMITIVE, values={"model": cfg.model, "supported": supported},
+            fix=f"train one of {', '.join(supported)}: torchloom train --model gpt2; train "
+            f"{cfg.model} in Python with image batches (zoo.example_inputs({cfg.model!r}, model))")
+    if cfg.model_kind == "zoo":
+        _positions(cfg.model, cfg.size, cfg.seq_len)
+    else:
+        _hf_positions(cfg, _hf_config(cfg))
+    model = meta_model(cfg)
+    _check_model(cfg, model)
+    _check_device(cfg)
+    _check_data(cfg, load_data(cfg), int(model.get_input_embeddings().num_embeddings))
+    _check_outputs(cfg)
+    if cfg.save_dir:
+        _check_save_dir(cfg)
+
+
+def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
+    if cfg.tp > 1 and not _has_builtin_schedule(model):
+        raise TrainOptionError(
+            f"--tp {cfg.tp}: {type(model).__name__} has no built-in schedule and transformers "
+            "declares no tensor-parallel plan for it",
+            primitive=_PRIMITIVE, values={"model": cfg.model, "class": type(model).__name__,
+                                          "supported": schedules.supported()},
+            fix="train it with --dp (or --pp), or register a schedule: "
+            "torchloom.schedules.register_schedule(name, fn)")
+    if cfg.pp == 1:
+        return
+    layers = layer_lists(model, cfg.model)
+    if len(layers) != 1:
+        raise ScheduleError(
+            f"{cfg.model} has {len(layers)} layer lists; the command line pipelines one",
+            primitive=_PRIMITIVE, values={"model": cfg.model, "layers": layers},
+            fix="pipeline gpt2, bert or llama, or cut the stages by hand in Python")
+    count = len(model.get_submodule(layers[0]))
+    if count % cfg.pp:
+        raise ScheduleError(
+            f"{count} layers do not split evenly into {cfg.pp} stages",
+            primitive=_PRIMITIVE, values={"layers": count, "pp": cfg.pp},
+            fix=f"use --pp dividing {count}")
+
+
+def _check_device(cfg: TrainConfig) -> None:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise TrainOptionError(
+            "--device cuda: no CUDA device is available to this torch "
+            f"({torch.__version__})", primitive=_PRIMITIVE,
+            values={"device": "cuda", "torch": torch.__version__},
+            fix="--device cpu (in a TOML file: device = 'cpu')")
+
+
+def check_launch(cfg: TrainConfig, torchrun: bool) -> None:
+    """What the launch mode needs: several CUDA ranks need torchrun (the local launcher
+    starts gloo ranks on CPU)."""
+    if cfg.device == "cuda" and cfg.world > 1 and not torchrun:
+        raise TrainOptionError(
+            f"--device cuda with {cfg.world} ranks: the local launcher starts gloo ranks "
+            "for CPU; start CUDA ranks with torchrun (NCCL, one GPU per rank)",
+            primitive=_PRIMITIVE, values={"device": "cuda", "ranks": cfg.world},
+            fix=f"torchrun --nproc-per-node {cfg.world} -m torchloom train --device cuda "
+            f"--tp {cfg.tp} --dp {cfg.dp} --pp {cfg.pp} ...")
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    for name in ("metrics", "tensorboard", "save_pretrained"):
+        value = getattr(cfg, name)
+        if value and cfg.save_dir and _inside(value, cfg.save_dir):
+            raise TrainOptionError(
+                f"{FLAGS[name]} {value!r} is inside --save-dir {cfg.save_dir!r}, which holds "
+                "only checkpoints (a save refuses a directory with other files)",
+                primitive=_PRIMITIVE, values={name: value, "save_dir": cfg.save_dir},
+                fix=f"{FLAGS[name]} {os.path.join(os.path.dirname(os.path.normpath(cfg.save_dir)) or '.', os.path.basename(value))}")
+    if cfg.metrics and os.path.isdir(cfg.metrics):
+        raise TrainOptionError(
+            f"--metrics {cfg.metrics!r} is a folder; metrics are written to a file",
+            primitive=_PRIMITIVE, values={"metrics": cfg.metrics},
+            fix=f"--metrics {os.path.join(cfg.metrics, 'metrics.jsonl')}")
+    if cfg.save_pretrained:
+        from ..runtime.pretrained import _path_problem
+
+        problem = _path_problem(os.path.normpath(cfg.save_pretrained))
+        if problem is not None:
+            raise TrainOptionError(
+                f"--save-pretrained {cfg.save_pretrained!r}: {problem.problem}",
+                primitive=_PRIMITIVE, values=problem.values,
+                fix="--save-pretrained runs/exported (a new or empty folder, or one holding "
+                "only a previous save_pretrained output)")
+
+
+def _stage_dirs(cfg: TrainConfig) -> list[str]:
+    """Where each pipeline stage saves (``save_dir/stage-K``); ``[save_dir]`` without pp."""
+    assert cfg.save_dir
+    if cfg.pp == 1:
+        return [cfg.save_dir]
+    return [os.path.join(cfg.save_dir, f"stage-{k}") for k in range(cfg.pp)]
+
+
+def _common_steps(cfg: TrainConfig) -> list[int]:
+    """The steps every stage directory holds a complete checkpoint of, newest first."""
+    steps: set[int] | None = None
+    for folder in _stage_dirs(cfg):
+        found = {c.step for c in list_checkpoints(folder)}
+        steps = found if steps is None else steps & found
+    return sorted(steps or (), reverse=True)
+
+
+def _check_save_dir(cfg: TrainConfig) -> None:
+    assert cfg.save_dir
+    if cfg.pp > 1 and os.path.isdir(cfg.save_dir):
+        stages = {os.path.basename(d) for d in _stage_dirs(cfg)}
+        others = sorted(e for e in os.listdir(cfg.save_dir) if e not in stages)
+        if others:
+            raise CheckpointIOError(
+                f"a pipeline run saves into {', '.join(sorted(stages))} inside the save "
+                "directory, which holds other files", primitive=_PRIMITIVE,
+                values={"save_dir": cfg.save_dir, "contents": others[:8]},
+                fix=f"pass a new or empty directory: --save-dir {cfg.save_dir}-pp")
+    for folder in _stage_dirs(cfg):
+        check_save_dir(folder, _PRIMITIVE)
+    steps = _common_steps(cfg)
+    newest = list_checkpoints(_stage_dirs(cfg)[0])
+    if cfg.resume and not steps:
+        raise CheckpointIOError(
+            "--resume: the save directory holds no complete checkpoint to resume from",
+            primitive=_PRIMITIVE,
+            values={"save_dir": cfg.save_dir, "contents": describe_dir(cfg.save_dir)},
+            fix=f"check the directory name, or start the run without --resume: torchloom "
+            f"train --model {cfg.model} --save-dir {cfg.save_dir}")
+    if not cfg.resume and any(list_checkpoints(d) for d in _stage_dirs(cfg)):
+        found = next(list_checkpoints(d) for d in _stage_dirs(cfg) if list_checkpoints(d))
+        raise CheckpointIOError(
+            f"the save directory already holds checkpoints of a run (newest: step "
+            f"{found[0].step}); a new run would replace them",
+            primitive=_PRIMITIVE,
+            values={"save_dir": cfg.save_dir, "checkpoints": [c.name for c in found]},
+            fix=f"continue that run: torchloom train --save-dir {cfg.save_dir} --resume; or "
+            f"start anew in another directory: --save-dir {cfg.save_dir}-2")
+    if cfg.resume and not cfg.allow_config_change:
+        # the recipe is compared once the schedule exists (in the ranks)
+        ckpt = next(c for c in newest if c.step == steps[0])
+        _compare(ckpt.config, cfg.run_fields(), ckpt.name, cfg.save_dir, recipe=False)
+
+
+def run_config(cfg: TrainConfig, recipe: str) -> dict[str, Any]:
+    """What a checkpoint of this run records: :data:`RUN_FIELDS` and the recipe text."""
+    return {**cfg.run_fields(), "recipe": recipe}
+
+
+def _flag_text(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return FLAGS[key] if value else ""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return " ".join(f"{FLAGS[key]} {v}" for v in value)
+    return f"{FLAGS[key]} {value}"
+
+
+def _compare(saved: dict[str, Any] | None, now: dict[str, Any], name: str, save_dir: str,
+             recipe: bool = True) -> None:
+    """Refuse to resume a checkpoint saved by a run of another configuration. A field the
+    checkpoint lacks (saved by an older torchloom) counts as its default."""
+    if saved is None:
+        raise CheckpointMismatchError(
+            f"checkpoint {name!r} holds no run configuration (it was not written by "
+            "torchloom train)", primitive=_PRIMITIVE, values={"save_dir": save_dir},
+            fix="resume it anyway: add --allow-config-change")
+    saved = {**{k: v for k, v in _DEFAULTS.items() if k in now}, **saved}
+    keys = [k for k in now if recipe or k != "recipe"]
+    if recipe:
+        keys += [k for k in saved if k not in now]
+    differ = [k for k in keys if saved.get(k) != now.get(k)]
+    if not differ:
+        return
+    lines = []
+    for k in differ:
+        if k == "recipe":
+            lines.append("recipe: the schedule differs")
+        else:
+            lines.append(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now")
+    flags = " ".join(t for k in differ if k in FLAGS and k in saved
+                     and (t := _flag_text(k, saved[k])))
+    again = (f"resume with the checkpoint's values: torchloom train --save-dir {save_dir} "
+             f"--resume {flags}".rstrip() + "; or ") if flags else ""
+    raise CheckpointMismatchError(
+        f"checkpoint {name!r} was saved by a run with another configuration: "
+        f"{', '.join(differ)}", primitive=_PRIMITIVE,
+        values={"save_dir": save_dir, "differences": lines},
+        fix=f"{again}continue with the new values: add --allow-config-change")
+
+
+# --------------------------------------------------------------------------- a rank
+
+
+def _device(cfg: TrainConfig, rank: int) -> torch.device:
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def train_rank(rank: int, config: dict[str, Any], report: Report | None = None) -> dict[str, Any]:
+    """Train on this rank (the process group, if any, is already initialised).
+
+    Returns ``{"losses": [...], "first_step": s, "tokens_per_s": x, "eval_losses":
+    {step: loss}}``: the losses of the steps this call ran (numbered from ``first_step``).
+    ``report(record)`` is called on every rank with a dict: ``{"kind": "start", ...}``
+    once training begins (the model, its parameter count, the data), ``{"kind": "step",
+    "step", "steps", "loss", "lr", "tokens_per_s", "mfu", "memory_mib", "grad_norm"}``
+    after each step and ``{"kind": "eval", "step", "eval_loss"}`` after each evaluation.
+    """
+    cfg = TrainConfig(**config)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfg.world != world:
+        raise ScheduleError(
+            f"--tp {cfg.tp} x --dp {cfg.dp} x --pp {cfg.pp} = {cfg.world} ranks, but the run "
+            f"has {world}", primitive=_PRIMITIVE,
+            values={"tp": cfg.tp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},
+            fix=f"torchrun --nproc-per-node {cfg.world} -m torchloom train --tp {cfg.tp} "
+            f"--dp {cfg.dp} --pp {cfg.pp}")
+    if world == 1:
+        check_config(cfg)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(cfg.deterministic or was_deterministic,
+                                       warn_only=cfg.device == "cuda")
+    try:
+        return _Run(cfg, rank, world, report).run()
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+class _Metrics:
+    """Rank 0's metrics outputs: a JSONL file (appended) and TensorBoard events."""
+
+    def __init__(self, cfg: TrainConfig, rank: int) -> None:
+        self.file = self.writer = None
+        if rank != 0:
+            return
+        if cfg.metrics:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
+            self.file = open(cfg.metrics, "a", encoding="utf-8")  # noqa: SIM115
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.tensorboard)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.file.flush()
+        if self.writer is not None:
+            prefix = "eval" if record["kind"] == "eval" else "train"
+            for key, value in record.items():
+                if isinstance(value, float) and key not in ("step", "steps"):
+                    self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _memory_mib(device: torch.device) -> float:
+    """Peak memory: CUDA allocations on CUDA, this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _flops_per_token(cfg: TrainConfig) -> float | None:
+    """FLOPs of one forward and backward per token (FlopCounterMode, on the unscheduled
+    model on fake tensors, nothing allocated: recomputation is not useful work); None if it
+    cannot be counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..graph.tracing import _tensors_on_meta, fake_values, value_mode
+
+    try:
+        model = meta_model(cfg)
+        ids = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+        # fake values: transformers skips its data-dependent checks on them (no .item())
+        mode = value_mode(model, ids)
+        counter = FlopCounterMode(display=False)
+        with _tensors_on_meta(model, True), mode, counter:
+            ids = fake_values(mode, ids)
+            model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss.backward()
+        return counter.get_total_flops() / cfg.seq_len
+    except Exception:  # noqa: BLE001 - a model FlopCounterMode cannot run on meta: no MFU
+        return None
+
+
+class _Run:
+    """One rank's run (see :func:`train_rank`)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, report: Report | None) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.report = report or (lambda record: None)
+        self.device = _device(cfg, rank)
+        self.mesh = self.tp_group = self.dp_group = self.pp_group = None
+        self.tp_rank = self.dp_rank = self.pp_rank = 0
+        if world > 1:
+            from ..runtime.parallel import init_mesh
+
+            self.mesh = init_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, device_type=cfg.device)
+            self.tp_group = self.mesh["tp"].get_group()
+            self.dp_group = self.mesh["dp"].get_group()
+            self.pp_group = self.mesh["pp"].get_group()
+            self.tp_rank = self.mesh["tp"].get_local_rank()
+            self.dp_rank = self.mesh["dp"].get_local_rank()
+            self.pp_rank = self.mesh["pp"].get_local_rank()
+        self.corpus = load_data(cfg)
+        self.bf16 = cfg.dtype == "bf16"
+        self.fsdp = cfg.dp > 1 and cfg.dp_mode == "fsdp"
+        self.checkpoint: str | None = None
+
+    # ---- pieces
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.bf16 and not self.fsdp)
+
+    def seed_step(self, step: int) -> None:
+        # Everything random in a step is a function of (seed, step): resumable exactly.
+        torch.manual_seed(self.cfg.seed * 1_000_003 + step)
+        if get_rng_tracker().is_seeded() or self.cfg.tp > 1:
+            get_rng_tracker().reset()
+            set_random_seed(self.cfg.seed * 1_000_003 + step, tp_rank=self.tp_rank,
+                            dp_rank=self.dp_rank)
+
+    def local_batch(self, step: int) -> torch.Tensor:
+        """This data-parallel rank's share of step ``step``'s windows."""
+        cfg = self.cfg
+        ids = data.window_batch(self.corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        share = cfg.batch_size // cfg.dp
+        return ids[self.dp_rank * share:(self.dp_rank + 1) * share].to(self.device)
+
+    def dp_mean(self, value: torch.Tensor) -> float:
+        if self.cfg.dp == 1:
+            return float(value)
+        total = value.detach().clone().to(self.device)
+        with guard_collective("all_reduce", _PRIMITIVE, self.dp_group):
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total) / self.cfg.dp
+
+    def grad_norm(self, params: list[nn.Parameter], tied: dict[int, int]) -> torch.Tensor:
+        """The global L2 norm of the gradients: tensor-parallel shards summed over the tp
+        group, FSDP2 shards over the dp group, stages over the pp group; a weight tied
+        across ``n`` stages counted once (``tied``: id -> n)."""
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            sq = grad.detach().double().pow(2).sum() / tied.get(id(p), 1)
+            spec = shard_spec(p)
+            if spec is not None and spec.world_size > 1:
+                sharded += sq
+            else:
+                replicated += sq
+        both = torch.stack([sharded, replicated])
+        if self.fsdp:
+            with guard_collective("all_reduce", _PRIMITIVE, self.dp_group):
+                dist.all_reduce(both, group=self.dp_group)
+        if self.cfg.tp > 1:
+            with guard_collective("all_reduce", _PRIMITIVE, self.tp_group):
+                dist.all_reduce(both[:1], group=self.tp_group)
+        total = both.sum()
+        if self.cfg.pp > 1:
+            with guard_collective("all_reduce", _PRIMITIVE, self.pp_group):
+                dist.all_reduce(total, group=self.pp_group)
+        return total.sqrt()
+
+    def clip(self, params: list[nn.Parameter], tied: dict[int, int]) -> float | None:
+        if not self.cfg.clip_grad:
+            return None
+        norm = self.grad_norm(params, tied)
+        coef = self.cfg.clip_grad / (float(norm) + 1e-6)
+        if coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return float(norm)
+
+    def first_step(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                   config: dict[str, Any], last: int) -> int | dict[str, Any]:
+        """Load the newest checkpoint every stage holds; the first step to run, or the
+        result of a run that has nothing left to do."""
+        cfg = self.cfg
+        if not (cfg.resume and cfg.save_dir):
+            return 1
+        # one stage: the newest loadable checkpoint (falling back past a damaged one);
+        # pipeline stages: the newest step that every stage saved
+        steps = _common_steps(cfg) if cfg.pp > 1 else []
+        folder = _stage_dirs(cfg)[self.pp_rank]
+        ckpt = find_checkpoint(folder, step=steps[0] if steps else None, group=self.tp_group,
+                               primitive=_PRIMITIVE)
+        if not cfg.allow_config_change:
+            _compare(ckpt.config, config, ckpt.name, cfg.save_dir)
+        self.checkpoint = ckpt.path
+        if ckpt.step >= last:
+            return {"losses": [], "first_step": ckpt.step + 1, "tokens_per_s": 0.0,
+                    "eval_losses": {}, "resumed_step": ckpt.step,
+                    "complete": ckpt.step >= cfg.steps}
+        return load_checkpoint(module, optimizer, ckpt, group=self.tp_group) + 1
+
+    def maybe_save(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                   config: dict[str, Any], step: int, last: int) -> None:
+        cfg = self.cfg
+        if not cfg.save_dir or not ((cfg.save_every and step % cfg.save_every == 0)
+                                    or step == last):
+            return
+        # Data-parallel replicas hold the same state: the first one writes it (each
+        # pipeline stage into its own directory).
+        if self.dp_rank == 0:
+            self.checkpoint = save(module, optimizer, _stage_dirs(cfg)[self.pp_rank], step,
+                                   group=self.tp_group, config=config)
+        if self.world > 1:
+            with guard_collective("barrier", _PRIMITIVE):
+                dist.barrier()
+
+    def save_pretrained(self, model: nn.Module) -> None:
+        from ..runtime.pretrained import save_pretrained
+
+        save_pretrained(model, self.cfg.save_pretrained, group=self.tp_group)
+        if self.rank == 0 and self.corpus.tokenizer:
+            data.load_tokenizer(self.corpus.tokenizer).save_pretrained(self.cfg.save_pretrained)
+
+    def start_record(self, recipe: str) -> dict[str, Any]:
+        cfg = self.cfg
+        name = f"{cfg.model} ({cfg.size})" if cfg.model_kind == "zoo" else cfg.model
+        source = {"zoo": "zoo, random init", "folder": "weights of the folder",
+                  "config": "config file, random init"}[cfg.model_kind]
+        whole = meta_model(cfg)
+        return {"kind": "start", "model": name, "class": type(whole).__name__,
+                "source": source, "parameters": count_parameters(whole),
+                "data": self.corpus.description, "device": str(self.device),
+                "dtype": cfg.dtype, "ranks": self.world, "recipe_lines": recipe.count("\n")}
+
+    def mfu_inputs(self) -> tuple[float | None, float]:
+        if self.rank != 0:
+            return None, 0.0
+        from .bench import measure_peak_flops
+
+        peak = measure_peak_flops(self.device, size=1024 if self.device.type == "cpu" else None)
+        return _flops_per_token(self.cfg), peak
+
+    # ---- the run
+
+    def build(self) -> tuple[Any, nn.Module, list[nn.Parameter], dict[int, int], Any]:
+        """``(model to call, module to save, parameters, tied, schedule)``."""
+        cfg = self.cfg
+        model, weights = make_model(cfg, self.device)
+        sch = create_schedule(model, group=self.tp_group)
+        _apply_schedule(sch, cfg)
+        if cfg.pp > 1:
+            return (*self.build_pipeline(sch, weights), sch)
+        if cfg.model_kind != "zoo":
+            torch.manual_seed(cfg.seed)  # random init of a config model is the seed's
+        target = "ddp" if cfg.dp > 1 and not self.fsdp else None
+        built, _ = build(sch, target=target, mesh=self.mesh, device=self.device,
+                         weights=weights)
+        if self.fsdp:
+            built = _fully_shard(built, self.mesh, self.bf16)
+        params = list(built.parameters())
+        return built, sch.mod, params, {}, sch
+
+    def build_pipeline(self, sch: Any, weights: str | None
+                       ) -> tuple[Any, nn.Module, list[nn.Parameter], dict[int, int]]:
+        """Cut the layers into ``pp`` even stages (1F1B schedule)."""
+        cfg = self.cfg
+        layers = layer_lists(sch.mod, cfg.model)[0]
+        count = len(sch[layers].child)
+        micro = data.window_batch(self.corpus.train, 0, cfg.micro_batch() // cfg.n_microbatches,
+                                  cfg.seq_len, cfg.seed).to(self.device)
+        sch.trace_until(f"{layers}.*", example_inputs={"input_ids": micro})
+        per_stage = count // cfg.pp
+        for stage in range(cfg.pp - 1):
+            sch[f"{layers}.{(stage + 1) * per_stage - 1}"].cut_pipeline_stage()
+        if cfg.ckpt_ratio:  # after the trace: it stops at checkpointed layers
+            sch[layers].checkpoint(ratio=cfg.ckpt_ratio)
+        if cfg.model_kind != "zoo":
+            torch.manual_seed(cfg.seed)
+        pipe, _ = build(sch, target="pipeline", mesh=self.mesh, schedule="1F1B",
+                        n_microbatches=cfg.n_microbatches, loss_fn=next_token_loss,
+                        example_inputs=(micro,), device=self.device, weights=weights)
+        tied = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
+        return pipe, pipe, list(pipe.parameters()), tied
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        model, module, params, tied, sch = self.build()
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        recipe = str(sch.recipe)
+        config = run_config(cfg, recipe)
+        last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+        first = self.first_step(module, optimizer, config, last)
+        if isinstance(first, dict):
+            return first
+        self.report(self.start_record(recipe))
+        flops_per_token, peak = self.mfu_inputs()
+        metrics = _Metrics(cfg, self.rank)
+        losses: list[float] = []
+        evals: dict[int, float] = {}
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        started = time.perf_counter()
+        model.train()
+        try:
+            for step in range(first, last + 1):
+                self.seed_step(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr(cfg, step)
+                value = self.pipeline_step(model, step) if cfg.pp > 1 else \
+                    self.step(model, step)
+                _check_finite(value, step, optimizer, cfg, self.checkpoint)
+                norm = self.clip(params, tied)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(value)
+                speed = (step - first + 1) * tokens_per_step / (time.perf_counter() - started)
+                mfu = (speed * flops_per_token / (peak * self.world)
+                       if flops_per_token and peak else None)
+                record = {"kind": "step", "step": step, "steps": cfg.steps, "loss": value,
+                          "lr": optimizer.param_groups[0]["lr"], "tokens_per_s": speed,
+                          "mfu": mfu, "memory_mib": _memory_mib(self.device),
+                          "grad_norm": norm}
+                metrics.write(record)
+                self.report(record)
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    evals[step] = self.evaluate(model)
+                    record = {"kind": "eval", "step": step, "eval_loss": evals[step]}
+                    metrics.write(record)
+                    self.report(record)
+                self.maybe_save(module, optimizer, config, step, last)
+            if cfg.save_pretrained and last == cfg.steps:
+                self.save_pretrained(module if cfg.pp > 1 else model)
+        finally:
+            metrics.close()
+        elapsed = time.perf_counter() - started
+        return {"losses": losses, "first_step": first, "eval_losses": evals,
+                "tokens_per_s": len(losses) * tokens_per_step / elapsed if elapsed > 0 else 0.0}
+
+    def step(self, model: Any, step: int) -> float:
+        """Forward and backward of the step's micro-batches; the mean loss over all ranks."""
+        cfg = self.cfg
+        chunks = self.local_batch(step).chunk(cfg.grad_accum)
+        total = torch.zeros((), device=self.device)
+        for i, ids in enumerate(chunks):
+            with self.no_sync(model, i < len(chunks) - 1), self.autocast():
+                loss = _step_loss(model, ids)
+            (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
+            total = total + loss.detach().float()
+        return self.dp_mean(total / cfg.grad_accum if cfg.grad_accum > 1 else total)
+
+    def no_sync(self, model: Any, skip: bool) -> Any:
+        """Skip the data-parallel gradient reduction of a micro-step that is not the last."""
+        if not skip or self.cfg.dp == 1:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            return _fsdp_no_sync(model)
+        return model.no_sync()
+
+    def pipeline_step(self, pipe: Any, step: int) -> float:
+        ids = self.local_batch(step)
+        loss = pipe.step(ids, target=ids)
+        value = torch.zeros((), device=self.device) if loss is None else loss.detach().clone()
+        last = dist.get_global_rank(self.pp_group, self.cfg.pp - 1)
+        with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
+            dist.broadcast(value, src=last, group=self.pp_group)
+        if self.cfg.dp > 1:  # the replicas average their gradients
+            for p in pipe.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                with guard_collective("all_reduce", _PRIMITIVE, self.dp_group):
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(self.cfg.dp)
+        return self.dp_mean(value)
+
+    @torch.no_grad()
+    def evaluate(self, model: Any) -> float:
+        """The mean loss over the held-out windows (dropout off), over all ranks."""
+        cfg = self.cfg
+        assert self.corpus.held_out is not None
+        count = _eval_count(cfg, self.corpus)
+        windows = data.eval_windows(self.corpus.held_out, count * cfg.batch_size, cfg.seq_len)
+        share = cfg.batch_size // cfg.dp
+        model.eval()
+        try:
+            total = torch.zeros((), device=self.device)
+            for b in range(count):
+                batch = windows[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+                ids = batch[self.dp_rank * share:(self.dp_rank + 1) * share].to(self.device)
+                if cfg.pp > 1:
+                    total = total + self.pipeline_eval_loss(model, ids)
+                    continue
+                for chunk in ids.chunk(cfg.grad_accum):
+                    with self.autocast():
+                        total = total + _step_loss(model, chunk).float() / cfg.grad_accum
+        finally:
+            model.train()
+        return self.dp_mean(total / count)
+
+    def pipeline_eval_loss(self, pipe: Any, ids: torch.Tensor) -> torch.Tensor:
+        logits = pipe(ids)
+        value = (next_token_loss(logits, ids).detach() if logits is not None
+                 else torch.zeros((), device=self.device))
+        last = dist.get_global_rank(self.pp_group, self.cfg.pp - 1)
+        with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
+            dist.broadcast(value, src=last, group=self.pp_group)
+        return value
+
+
+def _fully_shard(model: nn.Module, mesh: Any, bf16: bool) -> nn.Module:
+    """FSDP2 ``fully_shard`` of every layer and the root on the dp dimension, with bf16
+    compute and fp32 gradient reduction when ``bf16`` (what ``build(target="fsdp")`` does,
+    plus the mixed-precision policy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..core.meta import copy_meta
+    from ..runtime.parallel import _default_units, _dp_mesh
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
+    before = dict(model.named_parameters())
+    dp_mesh = _dp_mesh(mesh)
+    for name in _default_units(model):
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for name, param in model.named_parameters():
+        if name in before:
+            copy_meta(before[name], param)
+    return model
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The training loss of one batch of token windows."""
+    return model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss
+
+
+def _check_finite(value: float, step: int, optimizer: torch.optim.Optimizer,
+                  cfg: TrainConfig, checkpoint: str | None) -> None:
+    """Stop on a NaN or infinite loss, before the optimizer uses its gradients and before
+    any checkpoint of ``step`` is written (every rank sees the same value)."""
+    if math.isfinite(value):
+        return
+    lr = optimizer.param_groups[0]["lr"]
+    lower = f"{cfg.lr / 2:g}"
+    if cfg.save_dir and checkpoint:
+        fix = (f"resume from the last good checkpoint with a lower learning rate: torchloom "
+               f"train --save-dir {cfg.save_dir} --resume --lr {lower} --allow-config-change")
+    else:
+        fix = f"train with a lower learning rate: --lr {lower}"
+    raise NonFiniteLossError(
+        f"the loss of step {step} is {value}: training stopped before the optimizer step of "
+        f"step {step}, and no checkpoint of step {step} was written",
+        primitive=_PRIMITIVE,
+        values={"step": step, "loss": value, "lr": lr, "last_checkpoint": checkpoint},
+        fix=fix)
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss transformers computes from ``labels``, on the last stage."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), target[:, 1:].reshape(-1))

@@ -1,0 +1,220 @@
+"""The one exception family of torchloom.
+
+Every misuse of a schedule raises a :class:`ScheduleError` (or a subclass). A message
+always has the same four parts, so that a user can act on it without reading our code:
+
+* where: the schedule path and the primitive, written as the call the user made,
+  e.g. ``sch['transformer.h.0.mlp.c_fc'].shard(...)``;
+* what went wrong;
+* the offending values;
+* the fix, as a copy-pasteable line where one exists.
+
+>>> err = ShardError("axis 1 of 'weight' is not divisible by the world size",
+...                  path="h.0.mlp", primitive="shard",
+...                  values={"shape": (8, 10), "world_size": 4},
+...                  fix="shard along axis 0 instead: sch['h.0.mlp'].shard('weight', 0)")
+>>> print(err)
+sch['h.0.mlp'].shard(...): axis 1 of 'weight' is not divisible by the world size
+    values: shape=(8, 10), world_size=4
+    fix: shard along axis 0 instead: sch['h.0.mlp'].shard('weight', 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ScheduleError",
+    "PathError",
+    "ShardError",
+    "SyncError",
+    "ReplaceError",
+    "CheckpointError",
+    "AnnotateError",
+    "RngError",
+    "RecipeError",
+    "BuildError",
+]
+
+
+def format_location(path: str | None, primitive: str | None) -> str:
+    """Render where an error happened, in the schedule language.
+
+    >>> format_location("h.0", "checkpoint")
+    "sch['h.0'].checkpoint(...)"
+    >>> format_location("", None)
+    "sch['']"
+    >>> format_location(None, "build")
+    'build(...)'
+    """
+    if path is None:
+        return f"{primitive}(...)" if primitive else "torchloom"
+    where = f"sch[{path!r}]"
+    return f"{where}.{primitive}(...)" if primitive else where
+
+
+class ScheduleError(Exception):
+    """Base class of every error torchloom raises on bad input.
+
+    Attributes:
+        problem: what went wrong, one sentence.
+        path: the schedule path (``""`` is the root), or None when no schedule is involved.
+        primitive: the primitive (or API function) that was called.
+        values: the offending values, by name.
+        fix: what to do instead.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        path: str | None = None,
+        primitive: str | None = None,
+        values: dict[str, Any] | None = None,
+        fix: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.path = path
+        self.primitive = primitive
+        self.values = dict(values or {})
+        self.fix = fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        lines = [f"{format_location(self.path, self.primitive)}: {self.problem}"]
+        if self.values:
+            rendered = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+            lines.append(f"    values: {rendered}")
+        if self.fix:
+            lines.append(f"    fix: {self.fix}")
+        return "\n".join(lines)
+
+    def __reduce__(self):  # keep errors picklable across processes
+        return (
+            _rebuild_error,
+            (type(self), self.problem, self.path, self.primitive, self.values, self.fix),
+        )
+
+
+def _rebuild_error(cls, problem, path, primitive, values, fix):  # noqa: ANN001, ANN202
+    return cls(problem, path=path, primitive=primitive, values=values, fix=fix)
+
+
+class PathError(ScheduleError, KeyError):
+    """A schedule path (or module, parameter or buffer name) that does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return self._render()
+
+
+class ShardError(ScheduleError):
+    """``shard`` cannot slice this tensor as asked."""
+
+
+class SyncError(ScheduleError):
+    """``sync`` was given a mode, operation or combination that is not valid."""
+
+
+class ReplaceError(ScheduleError):
+    """``replace`` / ``replace_all`` cannot perform the swap."""
+
+
+class CheckpointError(ScheduleError):
+    """``checkpoint`` cannot be applied as asked."""
+
+
+class AnnotateError(ScheduleError):
+    """``annotate`` was given a parameter or key it cannot tag."""
+
+
+class RngError(ScheduleError):
+    """A random-number-generator precondition is not met (e.g. no seed for ``fork_rng``)."""
+
+
+class RecipeError(ScheduleError):
+    """A recipe cannot be serialised, parsed, or replayed on this model."""
+
+
+class BuildError(ScheduleError):
+    """``build`` cannot materialise or assemble the model."""
+
+
+class TraceError(ScheduleError):
+    """``trace`` / ``trace_until`` cannot turn the module into a graph (or a graph primitive
+    needs a traced module)."""
+
+
+class TraceGuardError(TraceError):
+    """A traced graph is called with inputs that take another path than the example it was
+    traced with (raised at run time by the graph's guards)."""
+
+
+class PatternError(ScheduleError):
+    """``find`` was given a pattern it cannot use, or a match is not valid any more."""
+
+
+class FuseError(ScheduleError):
+    """``fuse`` or ``decompose`` cannot be applied as asked."""
+
+
+class CompileError(ScheduleError):
+    """``compile`` cannot be applied as asked."""
+
+
+__all__ += ["TraceError", "TraceGuardError", "PatternError", "FuseError", "CompileError"]
+
+
+class ScheduleMismatchError(ScheduleError):
+    """The ranks of a schedule's process group scheduled differently (another recipe, or
+    other local parameter shapes); raised by ``build`` and ``Verify`` on every rank."""
+
+
+__all__ += ["ScheduleMismatchError"]
+
+
+class CollectiveTimeoutError(ScheduleError):
+    """A collective failed or timed out: another rank died, hung, or skipped it. Names the
+    rank, the collective and (for the collectives of ``sync``) the schedule path in flight."""
+
+
+class CollectiveShapeError(ScheduleError, ValueError):
+    """A collective cannot split a tensor into equal slices, one per rank of the group."""
+
+
+class RankFailedError(ScheduleError):
+    """A rank of a local launch (:func:`torchloom.runtime.launch.run_ranks`) raised, died or hung;
+    the message shows that rank's own error first, then what the other ranks reported."""
+
+
+__all__ += ["CollectiveTimeoutError", "CollectiveShapeError", "RankFailedError"]
+
+
+class PretrainedError(ScheduleError):
+    """``save_pretrained`` cannot write the Hugging Face folder as asked (a path it must
+    not replace, a model without weights, a tensor it cannot gather, a failed write)."""
+
+
+__all__ += ["PretrainedError"]
+
+
+class TuneError(ScheduleError):
+    """A search space, strategy, database or tuning run was set up wrongly.
+
+    >>> print(TuneError("symbol 'batch_size' is defined twice", primitive="Space.create_symbol",
+    ...                 values={"name": "batch_size"}, fix="give the second symbol another name"))
+    Space.create_symbol(...): symbol 'batch_size' is defined twice
+        values: name='batch_size'
+        fix: give the second symbol another name
+    """
+
+
+class TuneDatabaseError(TuneError):
+    """A results file the tuner did not write: not SQLite, another program's or another
+    schema's database, or a row whose contents the tuner never writes."""
+
+
+class PlanError(ScheduleError):
+    """A model, layout, device profile or option the planner cannot use."""
+
+
+__all__ += ["TuneError", "TuneDatabaseError", "PlanError"]

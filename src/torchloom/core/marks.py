@@ -1,0 +1,86 @@
+"""What primitives leave on modules and tensors, read and written in one place.
+
+A primitive that changes how a module runs (a sync's hooks, a checkpoint or RNG wrapper,
+a pipeline cut, a compiled forward) marks the module, so that later primitives, ``build``,
+``check`` and ``Verify`` can see what was done. Every mark is an attribute named
+``_torchloom_<name>``; this module is the only place that spells those names.
+
+>>> from torch import nn
+>>> layer = nn.Linear(2, 2)
+>>> has_mark(layer, PIPELINE_CUT)
+False
+>>> set_mark(layer, PIPELINE_CUT, True)
+>>> get_mark(layer, PIPELINE_CUT)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["get_mark", "has_mark", "set_mark", "transfer_hooks"]
+
+#: The module ends a pipeline stage (``cut_pipeline_stage``).
+PIPELINE_CUT = "pipeline_cut"
+
+_PREFIX = "_torchloom_"
+
+
+def _attr(name: str) -> str:
+    return _PREFIX + name
+
+
+def get_mark(obj: Any, name: str, default: Any = None) -> Any:
+    """The mark ``name`` on a module or tensor, or ``default``."""
+    return getattr(obj, _attr(name), default)
+
+
+def has_mark(obj: Any, name: str) -> bool:
+    """Whether ``obj`` carries a true mark ``name``."""
+    return bool(getattr(obj, _attr(name), False))
+
+
+def set_mark(obj: Any, name: str, value: Any) -> None:
+    """Leave the mark ``name`` on a module or tensor."""
+    setattr(obj, _attr(name), value)
+
+
+def clear_mark(obj: Any, name: str) -> None:
+    """Remove the mark ``name`` if ``obj`` has it."""
+    if hasattr(obj, _attr(name)):
+        delattr(obj, _attr(name))
+
+
+# Hook dictionaries of nn.Module (torch 2.13). Each maps a hook id to a callable; the
+# handles returned by register_*_hook refer to these dict objects by weak reference.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def transfer_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Move every hook of ``old`` onto ``new`` (hooks already on ``new`` run after them)."""
+    for attr in _HOOK_DICTS:
+        old_hooks = getattr(old, attr, None)
+        if old_hooks is None or not old_hooks:
+            continue
+        new_hooks = getattr(new, attr, None)
+        if new_hooks:
+            # Keep the old dict object so the user's handles still remove their hooks.
+            for key, value in new_hooks.items():
+                old_hooks[key] = value
+        setattr(new, attr, old_hooks)
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook

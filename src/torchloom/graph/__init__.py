@@ -1,0 +1,1 @@
+"""Static graphs: the tracer, pattern matching and subgraph utilities (uses ``core``)."""

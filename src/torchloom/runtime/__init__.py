@@ -1,0 +1,2 @@
+"""Running a schedule: materialisation and build, meshes and launching, collectives, RNG,
+the pipeline split and runtime, checkpoint and weight I/O (uses ``core`` and ``graph``)."""

@@ -1,0 +1,136 @@
+"""Device meshes and data-parallel wrapping (the last step of ``build``).
+
+A run with several kinds of parallelism lays its ranks out on a mesh of named dimensions
+``("pp", "dp", "tp")``: :func:`init_mesh` makes it (``torch.distributed.device_mesh``),
+the schedule takes the tensor-parallel group (``create_schedule(model,
+group=mesh["tp"].get_group())``) and ``build`` wraps the model for data parallelism on the
+``"dp"`` dimension:
+
+* ``target="ddp"``: :class:`torch.nn.parallel.DistributedDataParallel` on the dp group:
+  gradients are averaged across the dp ranks after backward;
+* ``target="fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``, the ZeRO-3
+  analogue): each transformer layer (every item of every ``ModuleList``, or the paths
+  given) and then the root is sharded over the dp ranks; parameters become ``DTensor``
+  shards, gathered for compute and re-sharded after use; gradients are reduce-scattered.
+
+Tensor-parallel shards compose with both: a dp group's ranks hold the same tensor-parallel
+slice, so averaging (or FSDP-sharding) over dp leaves the tp layout intact. torchloom's
+tensor metadata (shard specs, tags) is carried over to the parameters FSDP2 creates.
+
+>>> import torch
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(2, 2))
+>>> wrap_data_parallel(model, None, None) is model   # no target: nothing to do
+True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import BuildError
+from ..core.meta import copy_meta
+
+__all__ = ["MESH_DIMS", "init_mesh", "wrap_data_parallel", "DP_TARGETS"]
+
+MESH_DIMS = ("pp", "dp", "tp")
+DP_TARGETS = ("ddp", "fsdp")
+
+
+def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, device_type: str | None = None) -> Any:
+    """A ``DeviceMesh`` of shape ``(pp, dp, tp)`` named ``("pp", "dp", "tp")`` over the
+    default process group (which must already be initialised, e.g. by ``torchrun``).
+
+    Ranks are laid out tp-fastest: ranks ``0..tp-1`` form the first tensor-parallel group,
+    so tensor parallelism, the most communication-heavy, stays on neighbouring ranks.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise BuildError(
+            "a device mesh needs an initialised process group",
+            primitive="init_mesh", values={"dp": dp, "tp": tp, "pp": pp},
+            fix="start with torchrun (or torch.distributed.init_process_group) first",
+        )
+    world = dist.get_world_size()
+    if dp * tp * pp != world:
+        raise BuildError(
+            f"the mesh dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} does not cover the "
+            f"{world} ranks",
+            primitive="init_mesh", values={"dp": dp, "tp": tp, "pp": pp, "world_size": world},
+            fix=f"choose sizes whose product is {world}, e.g. init_mesh(dp={world // (tp * pp) or 1}, "
+            f"tp={tp}, pp={pp})" if world % (tp * pp) == 0 else
+            f"choose sizes whose product is {world}",
+        )
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def _dp_mesh(mesh: Any) -> Any:
+    if mesh is None:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["dp"] if "dp" in names and len(names) > 1 else mesh
+
+
+def _default_units(model: nn.Module) -> list[str]:
+    units = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            units += [f"{name}.{i}" if name else str(i) for i in range(len(module))]
+    return units
+
+
+def _fsdp(model: nn.Module, mesh: Any, units: list[str] | None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    before = dict(model.named_parameters())
+    names = [n for n, _ in model.named_modules() if n]
+    patterns = units if units is not None else _default_units(model)
+    chosen = []
+    for pattern in patterns:
+        found = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not found:
+            raise BuildError(
+                f"the FSDP unit {pattern!r} matches no module",
+                primitive="build", values={"fsdp_units": patterns},
+                fix="give module paths (wildcards allowed), e.g. fsdp_units=['transformer.h.*']",
+            )
+        chosen += [n for n in found if n not in chosen]
+    kwargs = {"mesh": mesh} if mesh is not None else {}
+    for name in chosen:
+        fully_shard(model.get_submodule(name), **kwargs)
+    fully_shard(model, **kwargs)
+    for name, param in model.named_parameters():
+        if name in before:
+            copy_meta(before[name], param)
+    return model
+
+
+def wrap_data_parallel(model: nn.Module, target: str | None, mesh: Any,
+                       fsdp_units: list[str] | None = None) -> nn.Module:
+    """Wrap ``model`` for ``target`` (``"ddp"``, ``"fsdp"`` or None) on the dp dimension of
+    ``mesh`` (None: every rank of the default group is a data-parallel rank)."""
+    if target is None:
+        return model
+    if not (dist.is_available() and dist.is_initialized()):
+        raise BuildError(
+            f"target {target!r} needs an initialised process group",
+            primitive="build", values={"target": target},
+            fix="start with torchrun (or torch.distributed.init_process_group) first, or "
+            "build with target=None for one process",
+        )
+    dp_mesh = _dp_mesh(mesh)
+    if target == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        group = dp_mesh.get_group() if dp_mesh is not None else None
+        return DistributedDataParallel(model, process_group=group)
+    return _fsdp(model, dp_mesh, fsdp_units)

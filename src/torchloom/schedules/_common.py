@@ -1,0 +1,191 @@
+"""Building blocks shared by the built-in schedules (Megatron-style tensor and sequence
+parallelism, activation checkpointing), so each model's schedule is a short list of paths.
+
+A *region* is a block whose first modules are column parallel (output features split)
+and whose last module is row parallel (input features split, partial output):
+
+* tensor parallelism: the block's input gradient is all-reduced in backward
+  (``bwd_post``) and the row-parallel output is all-reduced in forward (``fwd_post``);
+* sequence parallelism: activations outside regions are split along the sequence axis;
+  the block all-gathers its input (``fwd_pre``, backward reduce-scatters) and the row
+  module reduce-scatters its output; parameters used on sequence slices (norms, the row
+  bias) get their gradients all-reduced (``param_grad``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable
+
+from ..core.errors import ScheduleError
+from ..core.schedule import Schedule
+
+__all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm",
+           "finish_layers", "check_compile", "check_kernels", "check_knobs",
+           "check_tp_sizes", "tp_divisors", "SEQ_AXIS", "ATTENTION"]
+
+SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
+ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
+
+
+def _is_conv1d(node: Schedule) -> bool:
+    return type(node.mod).__name__ == "Conv1D"
+
+
+def column(node: Schedule, chunks: int = 1) -> None:
+    """Shard a Linear / Conv1D along its output features (``chunks=3`` for fused q/k/v)."""
+    kw = {"chunks": chunks} if chunks > 1 else {}
+    node.shard("weight", 1 if _is_conv1d(node) else 0, **kw)
+    if getattr(node.mod, "bias", None) is not None:
+        node.shard("bias", 0, **kw)
+
+
+def row(node: Schedule) -> None:
+    """Shard a Linear / Conv1D along its input features (the bias stays whole)."""
+    node.shard("weight", 0 if _is_conv1d(node) else 1)
+
+
+def region(block: Schedule, columns: list[str], row_path: str, sequence_parallel: bool,
+           input_name: str | None = None, chunks: int = 1) -> None:
+    """Make ``block`` one tensor-parallel region: ``columns`` column parallel, ``row_path``
+    row parallel, with the syncs of plain TP or of sequence parallelism."""
+    for path in columns:
+        column(block[path], chunks)
+    row(block[row_path])
+    region_syncs(block, row_path, sequence_parallel, input_name)
+
+
+def region_syncs(block: Schedule, row_path: str, sequence_parallel: bool,
+                 input_name: str | None = None) -> None:
+    """The syncs of :func:`region` alone, for a block whose modules are already sharded."""
+    kw = {"input_name": input_name} if input_name else {}
+    if sequence_parallel:
+        block.sync("fwd_pre", "all_gather", axis=SEQ_AXIS, **kw)
+        block[row_path].sync("fwd_post", "reduce_scatter", axis=SEQ_AXIS)
+        if getattr(block[row_path].mod, "bias", None) is not None:
+            block[row_path].sync("param_grad", "all_reduce")
+    else:
+        block.sync("bwd_post", "all_reduce", **kw)
+        block[row_path].sync("fwd_post", "all_reduce")
+
+
+def sp_norms(nodes: list[Schedule]) -> None:
+    """Norms that run on sequence slices: all-reduce their parameter gradients."""
+    for node in nodes:
+        node.sync("param_grad", "all_reduce")
+
+
+def sp_final_norm(node: Schedule) -> None:
+    """The last norm of a sequence-parallel model: it runs on sequence slices (its
+    gradients are all-reduced) and its output is gathered whole for the head. Every rank
+    then computes the same head, so the gather's backward keeps this rank's slice."""
+    sp_norms([node])
+    node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
+
+
+def finish_layers(stack: Schedule, ckpt_ratio: float, compile: bool | str) -> None:
+    """The last two steps of every built-in schedule, on a stack of layers (a
+    ``ModuleList``): checkpoint the first ``ckpt_ratio`` of them, then compile each layer
+    in place (``compile=True``: inductor; a string: that backend). The compiled code sits
+    inside the checkpoint, so the recompute runs the compiled layer again."""
+    check_compile(compile, stack.path)
+    if ckpt_ratio:
+        stack.checkpoint(ratio=ckpt_ratio)
+    if compile is not False:
+        stack["*"].compile("inductor" if compile is True else compile)
+
+
+def check_compile(compile: Any, path: str) -> None:
+    """Refuse a ``compile`` knob that is neither a bool nor a backend name."""
+    if not isinstance(compile, (bool, str)):
+        raise ScheduleError(
+            "compile must be True, False or a torch.compile backend name",
+            path=path, primitive="models.apply_schedule",
+            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
+
+
+def check_kernels(sch: Schedule, model: str, *, tp: bool, attention: Any,
+                  fused: Any) -> None:
+    """Refuse kernel knobs a schedule cannot honour: an unknown attention kernel, or the
+    fused blocks under tensor parallelism (they compute the projections without calling
+    the projection modules, so the sync hooks on those modules would not run)."""
+    primitive = f"models.schedule_{model}"
+    if attention not in ATTENTION:
+        raise ScheduleError(
+            f"unknown attention kernel {attention!r}", path=sch.path, primitive=primitive,
+            values={"attention": attention, "choices": list(ATTENTION)},
+            fix="attention='sdpa' (torchloom.ops) or attention='model' (keep the model's)")
+    if not isinstance(fused, bool):
+        raise ScheduleError("fused must be True or False", path=sch.path,
+                            primitive=primitive, values={"fused": repr(fused)},
+                            fix="apply_schedule(sch, fused=True)")
+    if fused and tp:
+        raise ScheduleError(
+            "the fused blocks compute their projections without calling the projection "
+            "modules, so tensor parallelism's sync hooks on those modules would not run",
+            path=sch.path, primitive=primitive, values={"fused": True, "tp": True},
+            fix="apply_schedule(sch, tp=True, compile=True) fuses inside each layer and "
+            "keeps the hooks")
+
+
+def tp_divisors(n: int) -> list[int]:
+    """The tensor-parallel degrees that split ``n`` evenly.
+
+    >>> tp_divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_sizes(sch: Schedule, model: str, sizes: list[tuple[str, int, str, str]]) -> None:
+    """Refuse, before any primitive is applied, config sizes that tensor parallelism cannot
+    split evenly between the ranks of ``sch``'s group. ``sizes`` holds
+    ``(config field, value, path of the sharded modules, what each rank keeps)``; a
+    built-in TP schedule gives every rank whole attention heads and an equal share of the
+    MLP's features, so with a size that does not divide, the first forward would fail
+    with a reshape error, or heads would be cut in half.
+
+    >>> import torch, torchloom as tl
+    >>> sch = tl.create_schedule(torch.nn.Linear(2, 2))  # a world of one: every size divides
+    >>> check_tp_sizes(sch, "gpt2", [("n_head", 4, "h.*.attn", "whole attention heads")])
+    """
+    world = sch.world_size
+    for field, value, path, what in sizes:
+        if value % world == 0:
+            continue
+        up = -(-value // world) * world
+        raise ScheduleError(
+            f"tensor parallelism gives each of the {world} ranks {what}, and {field}="
+            f"{value} does not divide by {world}",
+            path=path, primitive=f"models.schedule_{model}",
+            values={field: value, "tp_degree": world},
+            fix=f"use a tensor-parallel group whose size divides {value} (one of "
+            f"{tp_divisors(value)}), or a config with {field} a multiple of {world}, e.g. "
+            f"config.{field} = {up}",
+        )
+
+
+def check_knobs(sch: Schedule, fn: Callable[..., Any], knobs: dict[str, Any]) -> None:
+    """Refuse knobs that the schedule function ``fn`` does not take (a schedule that takes
+    ``**kwargs`` accepts everything), listing the valid ones."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+             and p.name != "sch"]
+    unknown = [k for k in knobs if k not in valid]
+    if not unknown:
+        return
+    first = unknown[0]
+    close = difflib.get_close_matches(first, valid, n=1, cutoff=0.5)
+    if close:
+        fix = f"apply_schedule(sch, {close[0]}={knobs[first]!r})"
+    else:
+        fix = f"drop {first!r}; the knobs of this schedule are {', '.join(valid)}"
+    raise ScheduleError(
+        f"unknown knob{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+        f"the built-in schedule of {type(sch.mod).__name__}",
+        path=sch.path, primitive="models.apply_schedule",
+        values={"unknown": unknown, "knobs": valid}, fix=fix,
+    )

@@ -1,0 +1,72 @@
+"""The built-in schedule of transformers BERT (``BertForMaskedLM``, ``BertModel``, ...)."""
+
+from __future__ import annotations
+
+from ..ops.attention import make_sdpa_bert_self_attention
+from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
+from ..core.schedule import Schedule
+from ._common import (
+    SEQ_AXIS,
+    check_kernels,
+    check_tp_sizes,
+    column,
+    finish_layers,
+    row,
+    sp_norms,
+)
+
+__all__ = ["schedule_bert"]
+
+
+def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
+                  ckpt_ratio: float = 0.0, attention: str = "model", fused: bool = False,
+                  compile: bool | str = False) -> None:
+    """Kernels (``attention="sdpa"``: :class:`torchloom.ops.SDPABertSelfAttention`;
+    ``fused``: bias+GeLU and bias+dropout+residual+LayerNorm fused), Megatron TP (and SP)
+    over self-attention and the feed-forward block, checkpoint the first ``ckpt_ratio`` of
+    the layers, then compile each layer (``compile``)."""
+    base = "bert.encoder" if "bert" in sch.child else "encoder"
+    layers = sch[f"{base}.layer"]
+    check_kernels(sch, "bert", tp=tp, attention=attention, fused=fused)
+    if tp:  # before any primitive: a refusal changes nothing
+        config = sch.mod.config
+        check_tp_sizes(sch, "bert", [
+            ("num_attention_heads", config.num_attention_heads,
+             f"{base}.layer.*.attention.self", "whole attention heads"),
+            ("intermediate_size", config.intermediate_size, f"{base}.layer.*.intermediate",
+             "an equal share of the feed-forward features")])
+    if attention == "sdpa":
+        sch[f"{base}.layer.*.attention.self"].replace(make_sdpa_bert_self_attention)
+    if fused:
+        sch[f"{base}.layer.*.intermediate"].replace(make_fused_bert_intermediate)
+        sch[f"{base}.layer.*.output"].replace(make_fused_bert_output)
+        sch[f"{base}.layer.*.attention.output"].replace(make_fused_bert_output)
+    if tp:
+        for layer in sch[f"{base}.layer.*"]:
+            # self-attention: q, k, v column parallel, the output dense row parallel; the
+            # region spans two sibling modules, so its syncs sit on their parent.
+            for name in ("query", "key", "value"):
+                column(layer[f"attention.self.{name}"])
+            row(layer["attention.output.dense"])
+            # the feed-forward block: intermediate.dense column, output.dense row
+            column(layer["intermediate.dense"])
+            row(layer["output.dense"])
+            for entry, out in (("attention.self", "attention.output.dense"),
+                               ("intermediate", "output.dense")):
+                if sequence_parallel:
+                    layer[entry].sync("fwd_pre", "all_gather", axis=SEQ_AXIS)
+                    layer[out].sync("fwd_post", "reduce_scatter", axis=SEQ_AXIS)
+                    layer[out].sync("param_grad", "all_reduce")
+                else:
+                    layer[entry].sync("bwd_post", "all_reduce")
+                    layer[out].sync("fwd_post", "all_reduce")
+            if sequence_parallel:
+                sp_norms([layer["attention.output.LayerNorm"], layer["output.LayerNorm"]])
+        if sequence_parallel:
+            first, last = layers["0"], layers[str(len(layers.child) - 1)]
+            first.sync("fwd_pre", "scatter", axis=SEQ_AXIS)
+            last.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
+    finish_layers(layers, ckpt_ratio, compile)
+
+
+

@@ -1,0 +1,52 @@
+"""The built-in schedule of transformers OPT (``OPTForCausalLM``, ``OPTModel``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..core.errors import ScheduleError
+from ..core.schedule import Schedule
+from ._common import check_tp_sizes, column, finish_layers, region, row
+
+__all__ = ["heads_per_rank", "schedule_opt"]
+
+
+def heads_per_rank(old: nn.Module) -> nn.Module:
+    """OPT attention reshapes q, k, v with ``num_heads``; after the column shard a rank
+    holds ``q_proj.out_features // head_dim`` of them."""
+    old.num_heads = old.q_proj.out_features // old.head_dim
+    old.embed_dim = old.num_heads * old.head_dim
+    return old
+
+
+def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
+                 ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
+    """Megatron TP over self-attention (q/k/v -> out_proj) and the MLP (fc1 -> fc2),
+    then checkpoint the first ``ckpt_ratio`` of the decoder layers."""
+    base = "model.decoder" if "model" in sch.child else "decoder"
+    if sequence_parallel:
+        raise ScheduleError(
+            "OPT's decoder layer flattens (batch, sequence) into rows before fc1, so the "
+            "MLP's input cannot be all-gathered along the sequence axis (gathered rows "
+            "would be ordered by rank, not by position)",
+            path=f"{base}.layers", primitive="models.schedule_opt",
+            values={"sequence_parallel": True, "model": type(sch.mod).__name__},
+            fix="apply_schedule(sch, tp=True) without sequence_parallel",
+        )
+    if tp:
+        config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        check_tp_sizes(sch, "opt", [
+            ("num_attention_heads", config.num_attention_heads, f"{base}.layers.*.self_attn",
+             "whole attention heads"),
+            ("ffn_dim", config.ffn_dim, f"{base}.layers.*.fc1",
+             "an equal share of the MLP's features")])
+        for layer in sch[f"{base}.layers.*"]:
+            region(layer["self_attn"], ["q_proj", "k_proj", "v_proj"], "out_proj", False,
+                   input_name="hidden_states")
+            layer["self_attn"].replace(heads_per_rank)
+            # fc1 and fc2 sit directly in the layer, so the MLP's syncs go on them
+            column(layer["fc1"])
+            layer["fc1"].sync("bwd_post", "all_reduce")
+            row(layer["fc2"])
+            layer["fc2"].sync("fwd_post", "all_reduce")
+    finish_layers(sch[f"{base}.layers"], ckpt_ratio, compile)

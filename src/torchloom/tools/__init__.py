@@ -1,0 +1,1 @@
+"""Looking at a schedule: verification, static checks and testing helpers."""

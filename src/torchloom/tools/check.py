@@ -1,0 +1,245 @@
+"""The static placement check: do a schedule's shards and syncs compose?
+
+:func:`check` runs before anything executes. It derives each module's output placement
+from its shards (:func:`torchloom.core.placement.output_placement`), applies the module's own
+``fwd_post`` syncs, and walks the module tree with the Megatron rules a tensor-parallel
+region must obey. Each violation is a :class:`Finding` with the path, the problem and
+the fix:
+
+1. **partial never reduced**: a row-parallel module's partial sum is not all-reduced
+   (nor reduce-scattered) by a ``fwd_post`` sync on it or on any module around it, so
+   the next operation (an activation, a norm, the loss) sees a fraction of the value;
+2. **sharded output never consumed**: a column-parallel module's output is still split
+   along its features after its own ``fwd_post`` syncs (not gathered, nor resharded to
+   another axis: ``"RS->SR"`` makes it whole features on a slice of the sequence, the
+   sequence-parallel layout), its own block holds no row-parallel module, and the next
+   module with weights (in module order, after any further column-parallel ones) is not
+   row parallel, so it would get a slice of an activation it expects whole;
+3. **gradient left partial**: a column-parallel module (or its enclosing block) has no
+   ``bwd_post`` all-reduce and no ``fwd_pre`` all-gather, so the gradient of its input
+   stays a per-rank partial sum (invisible in the forward pass);
+4. **sharded norm**: a LayerNorm / RMSNorm with a sharded weight normalises a slice of
+   the features, with other statistics than the full model;
+5. **bias before reduction**: a row-parallel ``Linear`` / ``Conv1D`` whose unsharded bias
+   is added before the partial sums are reduced (the reduction comes from a callable or
+   from an enclosing module), so the bias is counted ``world_size`` times.
+
+The module tree is what is checked; inside a module the data flow is not visible, so
+rules 1 and 3 accept any enclosing module as the place where a region closes, and rule
+2 follows module order (the order in which models register, and Megatron regions run,
+their layers).
+
+>>> import torch, torchloom as tl
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+>>> sch = tl.create_schedule(mlp)
+>>> sch["0"].shard("weight", 0); sch["0"].shard("bias", 0)
+>>> sch["0"].sync("bwd_post", "all_reduce")
+>>> sch["2"].shard("weight", 1)
+>>> print(check(sch))
+1 problem in the schedule:
+  sch['2']: partial never reduced: the output of this row-parallel Linear is a partial sum (weight sharded along its input axis) and no fwd_post sync on it or around it reduces it
+      fix: sch['2'].sync('fwd_post', 'all_reduce')
+>>> sch["2"].sync("fwd_post", "all_reduce")
+>>> check(sch).ok
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..core.meta import shard_spec
+from ..core.placement import Placement, output_placement
+
+if TYPE_CHECKING:
+    from ..core.schedule import Schedule
+
+__all__ = ["Finding", "CheckReport", "check", "effective_output_placement"]
+
+_REDUCING = ("all_reduce", "reduce_scatter")
+_GATHERING = ("all_gather", "RS->RR", "SR->RR")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One rule a schedule breaks."""
+
+    path: str
+    rule: str
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"sch[{self.path!r}]: {self.rule}: {self.problem}\n    fix: {self.fix}"
+
+
+@dataclass
+class CheckReport:
+    """The findings of :func:`check`; ``ok`` when there are none."""
+
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "the schedule's shards and syncs compose"
+        head = f"{len(self.findings)} problem{'s' if len(self.findings) > 1 else ''} in the schedule:"
+        return "\n".join([head] + ["  " + str(f).replace("\n", "\n  ") for f in self.findings])
+
+
+def _syncs(module: nn.Module) -> list:
+    return list(getattr(module, "_torchloom_syncs", []))
+
+
+def _is_callable_sync(spec: object) -> bool:
+    from ..primitives.sync import _OPS, RESHARD_SPECS
+
+    return spec.op not in _OPS and spec.op not in RESHARD_SPECS  # type: ignore[attr-defined]
+
+
+def effective_output_placement(module: nn.Module) -> Placement | None:
+    """The placement of ``module``'s output after its own ``fwd_post`` syncs; None when
+    unknown (no sharded weight, or a callable sync)."""
+    placement = output_placement(module)
+    if placement is None:
+        return None
+    for spec in _syncs(module):
+        if spec.mode != "fwd_post":
+            continue
+        if _is_callable_sync(spec):
+            return None
+        if spec.op in ("all_reduce", "all_gather") or spec.op.endswith("->RR"):
+            placement = Placement.replicate()
+        elif spec.op in ("reduce_scatter", "scatter"):
+            placement = Placement.shard(spec.axis)
+        elif spec.op.endswith("->RS"):
+            placement = Placement.shard(-1)
+        elif spec.op.endswith("->SR"):
+            placement = Placement.shard(-2)
+    return placement
+
+
+def _has_sync(module: nn.Module, mode: str, ops: tuple[str, ...], callables: bool = False) -> bool:
+    return any(s.mode == mode and (s.op in ops or (callables and _is_callable_sync(s)))
+               for s in _syncs(module))
+
+
+def _ancestors(node: Schedule) -> list[Schedule]:
+    found = []
+    while node.parent is not None:
+        node = node.parent
+        found.append(node)
+    return found
+
+
+def _is_feature_norm(module: nn.Module) -> bool:
+    names = [c.__name__ for c in type(module).__mro__]
+    return any("LayerNorm" in n or "RMSNorm" in n for n in names)
+
+
+def _next_weighted_leaf(leaves: list[tuple[str, nn.Module]],
+                        module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first leaf with a weight after ``module`` in module order that is not itself
+    column parallel (chains of column-parallel modules, such as q, k, v, are skipped)."""
+    index = next((i for i, (_, m) in enumerate(leaves) if m is module), None)
+    if index is None:
+        return None
+    for path, leaf in leaves[index + 1:]:
+        if leaf._parameters.get("weight") is None:
+            continue
+        placement = effective_output_placement(leaf)
+        if placement is not None and placement.kind == "shard" and \
+                output_placement(leaf) == placement:
+            continue  # another column-parallel module of the same region
+        return path, leaf
+    return None
+
+
+def _has_row_parallel(node: Schedule) -> bool:
+    return any(output_placement(s.mod) == Placement.partial() for _, s in node.named_schedules())
+
+
+def check(sch: Schedule) -> CheckReport:
+    """Check the whole tree of ``sch`` (from its root) against the rules above."""
+    root = sch.root
+    report = CheckReport()
+    leaves = [(path, m) for path, m in root.mod.named_modules() if not m._modules]
+    seen: set[int] = set()
+    for _, node in root.named_schedules():
+        module = node.mod
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        kind = type(module).__name__
+        placement = output_placement(module)
+        effective = effective_output_placement(module)
+        ancestors = _ancestors(node)
+        where = node.path
+
+        if placement == Placement.partial():
+            reduced_around = any(_has_sync(a.mod, "fwd_post", _REDUCING, callables=True)
+                                 for a in ancestors)
+            own_callable = _has_sync(module, "fwd_post", (), callables=True)
+            if effective == Placement.partial() and not reduced_around and not own_callable:
+                report.findings.append(Finding(
+                    where, "partial never reduced",
+                    f"the output of this row-parallel {kind} is a partial sum (weight sharded "
+                    "along its input axis) and no fwd_post sync on it or around it reduces it",
+                    f"sch[{where!r}].sync('fwd_post', 'all_reduce')"))
+            bias = module._parameters.get("bias")
+            late = own_callable or (effective == Placement.partial() and reduced_around)
+            if bias is not None and shard_spec(bias) is None and late:
+                report.findings.append(Finding(
+                    where, "bias before reduction",
+                    f"this row-parallel {kind} adds its whole bias on every rank before the "
+                    "partial sums are reduced, so the bias is counted world_size times",
+                    f"reduce at the module itself with a string op: sch[{where!r}].sync("
+                    "'fwd_post', 'all_reduce') (torchloom then adds the bias after the "
+                    "reduction), or shard the bias"))
+
+        if placement is not None and placement.kind == "shard" and not _is_feature_norm(module):
+            # Still split along the same axis: a reshard to another axis ("RS->SR") makes
+            # the features whole (on a slice of the sequence), which any module consumes.
+            if effective is not None and effective == placement:
+                consumer = _next_weighted_leaf(leaves, module)
+                in_region = node.parent is not None and _has_row_parallel(node.parent)
+                if not in_region and (consumer is None or
+                                      output_placement(consumer[1]) != Placement.partial()):
+                    whom = (f"the next module with weights, {consumer[0]!r}, holds them whole "
+                            "and expects the whole activation" if consumer is not None
+                            else "no row-parallel module follows it")
+                    report.findings.append(Finding(
+                        where, "sharded output never consumed",
+                        f"the output of this column-parallel {kind} is sharded along axis "
+                        f"{placement.axis} and is not gathered; {whom}",
+                        f"sch[{where!r}].sync('fwd_post', 'all_gather', axis={placement.axis}) "
+                        "or shard the consumer along its input axis (row parallel)"))
+            covered = any(
+                _has_sync(m, "bwd_post", ("all_reduce",), callables=True)
+                or _has_sync(m, "fwd_pre", ("all_gather", "SR->RR", "RS->RR"))
+                for m in [module] + [a.mod for a in ancestors])
+            if not covered:
+                report.findings.append(Finding(
+                    where, "gradient left partial",
+                    f"this column-parallel {kind} computes only part of its input's gradient "
+                    "on each rank and nothing all-reduces it in backward",
+                    f"sch[{where!r}].sync('bwd_post', 'all_reduce') (or on the block that "
+                    "feeds several column-parallel modules, once)"))
+
+        if _is_feature_norm(module):
+            weight = module._parameters.get("weight")
+            if weight is not None and shard_spec(weight) is not None:
+                report.findings.append(Finding(
+                    where, "sharded norm",
+                    f"this {kind} has a sharded weight, so it normalises a slice of the "
+                    "features with other mean and variance than the full model",
+                    "keep norm weights whole (replicated); for sequence parallelism shard "
+                    f"the activation instead and sync the gradients: sch[{where!r}].sync("
+                    "'param_grad', 'all_reduce')"))
+    return report
