@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import torchloom as tl
 from torchloom.core.errors import CheckpointError, ScheduleError
 from torchloom.primitives import checkpoint as ckpt_mod
+from torchloom.core.marks import CHECKPOINTED, has_mark
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -91,7 +92,7 @@ def test_gpt2_every_block_exact_with_dropout():
     sch = tl.create_schedule(model)
     sch["transformer.h.*"].checkpoint()
     assert len(sch.recipe) == 2
-    assert all(b._torchloom_checkpointed for b in model.transformer.h)
+    assert all(has_mark(b, CHECKPOINTED) for b in model.transformer.h)
     # the module tree and the keys are untouched: no wrapper module
     assert list(model.state_dict()) == keys
     assert [n for n, _ in model.named_parameters()] == names
@@ -197,7 +198,7 @@ def test_deepcopy_of_a_checkpointed_model_points_at_the_copy():
     tl.create_schedule(model)["0"].checkpoint()
     clone = copy.deepcopy(model)
     assert clone[0].forward.module is clone[0]
-    assert clone[0]._torchloom_checkpointed
+    assert has_mark(clone[0], CHECKPOINTED)
     x = torch.randn(5, 4)
     torch.manual_seed(1)
     a = model(x)
@@ -286,9 +287,9 @@ def test_ratio_checkpoints_the_first_items(container, n, ratio):
     model = nn.Sequential(nn.Linear(2, 2), layers)
     sch = tl.create_schedule(model)
     sch["1"].checkpoint(ratio=ratio)
-    marked = [getattr(m, "_torchloom_checkpointed", False) for m in layers]
+    marked = [has_mark(m, CHECKPOINTED) for m in layers]
     assert marked == [i < int(ratio * n) for i in range(n)]
-    assert not hasattr(layers, "_torchloom_checkpointed")
+    assert not has_mark(layers, CHECKPOINTED)
     assert len(sch.recipe) == 1
     assert sch.recipe[0].call_text() == f"sch['1'].checkpoint(ratio={ratio!r})"
 
@@ -296,17 +297,17 @@ def test_ratio_checkpoints_the_first_items(container, n, ratio):
 def test_ratio_guards_against_float_error():
     layers = nn.ModuleList(nn.Identity() for _ in range(100))
     tl.create_schedule(layers).checkpoint(ratio=0.29)  # 0.29 * 100 == 28.999999999999996
-    assert sum(hasattr(m, "_torchloom_checkpointed") for m in layers) == 29 == math.floor(29.0)
+    assert sum(has_mark(m, CHECKPOINTED) for m in layers) == 29 == math.floor(29.0)
 
 
 def test_ratio_on_gpt2_and_replay():
     model = tiny_gpt2(n_layer=4)
     sch = tl.create_schedule(model)
     sch["transformer.h"].checkpoint(ratio=0.5)
-    assert [hasattr(b, "_torchloom_checkpointed") for b in model.transformer.h] == \
+    assert [has_mark(b, CHECKPOINTED) for b in model.transformer.h] == \
         [True, True, False, False]
     replayed = tl.apply_recipe(tiny_gpt2(n_layer=4), tl.Recipe.from_json(sch.recipe.to_json()))
-    assert [hasattr(b, "_torchloom_checkpointed") for b in replayed.mod.transformer.h] == \
+    assert [has_mark(b, CHECKPOINTED) for b in replayed.mod.transformer.h] == \
         [True, True, False, False]
 
 
@@ -411,10 +412,10 @@ def test_ratio_over_an_item_checkpointed_already_changes_nothing():
         r"sch\['2'\]\.checkpoint\(\)$",
     ):
         sch.checkpoint(ratio=1)
-    assert [hasattr(m, "_torchloom_checkpointed") for m in layers] == [False, False, True, False]
+    assert [has_mark(m, CHECKPOINTED) for m in layers] == [False, False, True, False]
     assert len(sch.recipe) == 1
     sch.checkpoint(ratio=0.5)  # the items before it are still free
-    assert [hasattr(m, "_torchloom_checkpointed") for m in layers] == [True, True, True, False]
+    assert [has_mark(m, CHECKPOINTED) for m in layers] == [True, True, True, False]
 
 
 def test_kv_cache_in_training_is_turned_off_with_one_warning():

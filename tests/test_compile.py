@@ -24,6 +24,7 @@ from torchloom.schedules import zoo
 from torchloom.core.errors import CompileError
 from torchloom.tools.testing import verify_recipe_roundtrip
 from torchloom.runtime.memory import count_saved
+from torchloom.core.marks import COMPILED, has_mark
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -58,7 +59,7 @@ def test_compiled_layers_equal_eager_and_keep_the_module_tree():
     assert str(model) == text
     assert [id(p) for p in model.parameters()] == params
     assert list(model.state_dict()) == list(reference.state_dict())
-    assert all(getattr(layer, "_torchloom_compiled") for layer in model.transformer.h)
+    assert all(has_mark(layer, COMPILED) for layer in model.transformer.h)
     inputs = _inputs(model)
     loss, grads = _step(model, inputs)
     ref_loss, ref_grads = _step(reference, inputs)
@@ -219,6 +220,6 @@ def test_replay_on_a_fresh_model_compiles_it():
     sch = tl.create_schedule(model)
     sch["transformer.h.*"].compile(backend="eager")
     fresh = tl.apply_recipe(_gpt2(), sch.recipe)
-    assert all(getattr(layer, "_torchloom_compiled", False) for layer in fresh.mod.transformer.h)
+    assert all(has_mark(layer, COMPILED) for layer in fresh.mod.transformer.h)
     verify = partial(verify_recipe_roundtrip, sch, _gpt2)
     verify(_inputs(model))

@@ -16,6 +16,7 @@ from torchloom.core.errors import RngError, ScheduleError
 from torchloom.primitives import checkpoint as ckpt_mod
 from torchloom.primitives.fork_rng import _device_of
 from torchloom.runtime.rng import RngStatesTracker, get_rng_tracker, set_random_seed
+from torchloom.core.marks import FORK_RNG, get_mark
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -262,7 +263,7 @@ def test_fork_rng_keeps_the_module_tree_and_marks_it():
     keys, text = list(model.state_dict()), str(model)
     sch = tl.create_schedule(model)
     sch["0"].fork_rng()
-    assert model[0]._torchloom_fork_rng is True
+    assert get_mark(model[0], FORK_RNG) is True
     assert list(model.state_dict()) == keys and str(model) == text
     assert sch.recipe[0].call_text() == "sch['0'].fork_rng()"
 

@@ -20,6 +20,7 @@ from torchloom import schedules
 from torchloom.schedules import zoo
 from torchloom.core.errors import ScheduleError
 from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.core.marks import COMPILED, has_mark
 
 # Config overrides that turn off the dropout the modules hold as float attributes.
 NO_DROPOUT = {"opt": {"dropout": 0.0, "attention_dropout": 0.0}, "t5": {"dropout_rate": 0.0},
@@ -138,7 +139,7 @@ def test_compile_knob_keeps_outputs_and_gradients(name, extra, cls):
     sch = tl.create_schedule(model)
     schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile="aot_eager")
     compiled = [path for path, node in sch.named_schedules()
-                if getattr(node.mod, "_torchloom_compiled", False)]
+                if has_mark(node.mod, COMPILED)]
     layer_paths = [f"{stack}.{i}" for stack in zoo.layer_paths(name)
                    for i in range(len(model.get_submodule(stack)))] if cls is None else None
     if layer_paths is not None:

@@ -13,6 +13,7 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.core.marks import CHECKPOINTED, FORK_RNG, has_mark
 
 
 class TanhGelu(nn.Module):
@@ -174,10 +175,10 @@ def test_checkpoint_and_fork_rng_follow_a_replaced_module():
     sch["transformer.h.0.mlp"].checkpoint()
     sch["transformer.h.0.mlp"].replace(make_explicit_mlp)
     new = model.transformer.h[0].mlp
-    assert new._torchloom_checkpointed and new._torchloom_fork_rng
+    assert has_mark(new, CHECKPOINTED) and has_mark(new, FORK_RNG)
     # A factory that keeps the old (already checkpointed) module inside adds nothing.
     sch["transformer.h.1.mlp"].checkpoint()
     sch["transformer.h.1.mlp"].replace(lambda old: old)
-    assert model.transformer.h[1].mlp._torchloom_checkpointed
+    assert has_mark(model.transformer.h[1].mlp, CHECKPOINTED)
     tl.set_random_seed(0)
     model(**tiny.token_batch()).loss.backward()

@@ -11,6 +11,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
+from torchloom.core.marks import SYNCS, get_mark, has_mark
 
 
 def test_tree_mirrors_named_children_of_gpt2():
@@ -206,7 +207,7 @@ def test_every_primitive_is_refused_on_a_built_schedule():
         assert [type(m).__name__ for m in model] == ["Linear", "GELU", "Linear"], name
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before), name
-        assert not hasattr(model[0], "_torchloom_syncs"), name
+        assert not has_mark(model[0], SYNCS), name
     # reading a built schedule is fine
     assert "0" in sch and sch["0"].mod is model[0] and "annotate('weight', 'tag', 1)" in str(sch)
 
@@ -227,7 +228,7 @@ def test_the_same_sync_twice_is_refused_and_a_different_input_is_not():
     with pytest.raises(tl.SyncError, match=re.escape(
             "sch['0'].sync(...): Linear already has this sync (bwd_post all_reduce)")):
         sch["0"].sync("bwd_post", "all_reduce")
-    assert [s.describe() for s in model[0]._torchloom_syncs] == ["bwd_post all_reduce"]
+    assert [s.describe() for s in get_mark(model[0], SYNCS)] == ["bwd_post all_reduce"]
     assert len(model[0]._forward_pre_hooks) == 1  # the second was never installed
     # another mode, or another named input of the same module, is a different sync
     sch["0"].sync("fwd_post", "all_reduce")

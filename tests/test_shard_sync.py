@@ -16,6 +16,7 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.core.marks import SYNCS, get_mark
 
 
 def _fake_world(node: tl.Schedule, world_size: int, rank: int) -> None:
@@ -205,7 +206,7 @@ def test_fwd_pre_keeps_every_input_and_fwd_post_handles_containers():
     out = module(x, y, scale=3.0, mask=mask)
     assert seen["y"] is y and seen["scale"] == 3.0 and seen["mask"] is mask
     assert isinstance(out, tuple) and torch.equal(out[0], 3 * x) and out[1] is y
-    specs = [s.describe() for s in module._torchloom_syncs]
+    specs = [s.describe() for s in get_mark(module, SYNCS)]
     assert specs == ["fwd_pre all_reduce", "fwd_post all_reduce"]
 
     gpt = tiny.gpt2()

@@ -16,6 +16,7 @@ from tests import tiny
 from torchloom.core.errors import PathError, TraceError, TraceGuardError
 from torchloom.tools.testing import verify_recipe_roundtrip
 from torchloom.graph.tracing import is_guard, is_traced
+from torchloom.core.marks import CHECKPOINTED, FORK_RNG, SYNCS, get_mark, has_mark
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -180,7 +181,7 @@ def test_shard_sync_and_hooks_applied_before_tracing_still_hold() -> None:
     calls.clear()
     spec = tl.shard_spec(model.transformer.h[0].attn.c_attn.weight)
     assert spec is not None and spec.axis == 1 and spec.full_shape == (32, 96)
-    assert [s.mode for s in model.transformer.h[0].attn._torchloom_syncs] == ["fwd_pre"]
+    assert [s.mode for s in get_mark(model.transformer.h[0].attn, SYNCS)] == ["fwd_pre"]
     model(torch.randint(0, VOCAB, (2, 8)))
     assert calls == ["attn", "c_attn", "mlp"]
 
@@ -197,8 +198,8 @@ def test_checkpointed_and_fork_rng_modules_stay_leaves() -> None:
         sch["transformer.h.0.mlp"].trace()
     sch["transformer.h.0"].trace()
     block = model.transformer.h[0]
-    assert not is_traced(block.mlp) and block.mlp._torchloom_checkpointed
-    assert not is_traced(block.attn) and block.attn._torchloom_fork_rng
+    assert not is_traced(block.mlp) and has_mark(block.mlp, CHECKPOINTED)
+    assert not is_traced(block.attn) and has_mark(block.attn, FORK_RNG)
     targets = [n.target for n in block.graph.nodes if n.op == "call_module"]
     assert targets == ["ln_1", "attn", "ln_2", "mlp"]
 

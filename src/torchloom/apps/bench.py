@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.marks import CHECKPOINTED, has_mark
 from .. import schedules
 from ..schedules import zoo
 from ..runtime.build import build
@@ -304,7 +305,7 @@ def _count(model: nn.Module, name: str, step: Callable[[], torch.Tensor],
             starts: dict[int, int] = {}
 
             def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                if getattr(module, "_torchloom_checkpointed", False):
+                if has_mark(module, CHECKPOINTED):
                     # The checkpoint keeps its inputs for the recompute, outside any hook.
                     for t in _tensors([*args, *kwargs.values()]):
                         key = t.untyped_storage()._cdata

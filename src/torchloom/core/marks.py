@@ -20,37 +20,69 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["get_mark", "has_mark", "set_mark", "transfer_hooks"]
+__all__ = ["CHECKPOINTED", "COMPILED", "FOREIGN_IDS", "FORK_RNG", "KEY_ORDER", "LEAF", "META",
+           "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "clear_mark", "get_mark",
+           "has_mark", "mark_attr", "marks_of", "pop_mark", "set_mark", "transfer_hooks"]
 
+#: A module's list of :class:`~torchloom.primitives.sync.SyncSpec` (``sync``).
+SYNCS = "syncs"
+#: The module's forward recomputes in backward (``checkpoint``).
+CHECKPOINTED = "checkpointed"
+#: The module draws from the tensor-parallel RNG state (``fork_rng``).
+FORK_RNG = "fork_rng"
+#: The module's forward runs under ``torch.compile`` (``compile``).
+COMPILED = "compiled"
 #: The module ends a pipeline stage (``cut_pipeline_stage``).
 PIPELINE_CUT = "pipeline_cut"
+#: A class attribute: torchloom wrappers that the tracer keeps as leaves.
+LEAF = "leaf"
+#: A tensor's :class:`~torchloom.core.meta.TensorMeta` (shard spec and tags).
+META = "meta"
+#: The state-dict key order, tied keys and model description a pipeline model keeps for
+#: ``save_pretrained``.
+KEY_ORDER = "key_order"
+TIED_KEYS = "tied_keys"
+PRETRAINED_INFO = "pretrained_info"
+#: Ids of tensors a derived schedule's module holds that are not its own.
+FOREIGN_IDS = "foreign_ids"
 
 _PREFIX = "_torchloom_"
 
 
-def _attr(name: str) -> str:
+def mark_attr(name: str) -> str:
+    """The attribute that holds the mark ``name`` (for ``setattr`` on a class body)."""
     return _PREFIX + name
 
 
 def get_mark(obj: Any, name: str, default: Any = None) -> Any:
     """The mark ``name`` on a module or tensor, or ``default``."""
-    return getattr(obj, _attr(name), default)
+    return getattr(obj, mark_attr(name), default)
 
 
 def has_mark(obj: Any, name: str) -> bool:
     """Whether ``obj`` carries a true mark ``name``."""
-    return bool(getattr(obj, _attr(name), False))
+    return bool(getattr(obj, mark_attr(name), False))
 
 
 def set_mark(obj: Any, name: str, value: Any) -> None:
     """Leave the mark ``name`` on a module or tensor."""
-    setattr(obj, _attr(name), value)
+    setattr(obj, mark_attr(name), value)
+
+
+def pop_mark(obj: Any, name: str, default: Any = None) -> Any:
+    """Remove the mark ``name`` from the instance and return it (``default`` if absent)."""
+    return vars(obj).pop(mark_attr(name), default)
+
+
+def marks_of(obj: Any) -> dict[str, Any]:
+    """The marks on the instance ``obj``, by name."""
+    return {k.removeprefix(_PREFIX): v for k, v in vars(obj).items() if k.startswith(_PREFIX)}
 
 
 def clear_mark(obj: Any, name: str) -> None:
     """Remove the mark ``name`` if ``obj`` has it."""
-    if hasattr(obj, _attr(name)):
-        delattr(obj, _attr(name))
+    if hasattr(obj, mark_attr(name)):
+        delattr(obj, mark_attr(name))
 
 
 # Hook dictionaries of nn.Module (torch 2.13). Each maps a hook id to a callable; the

@@ -13,6 +13,8 @@ Two things are stored:
 * user tags: set by ``annotate``; also exposed as plain attributes of the tensor.
 
 >>> import torch
+
+from .marks import META, mark_attr
 >>> p = torch.nn.Parameter(torch.zeros(4, 2))
 >>> set_tag(p, "replicated", True)
 >>> p.replicated, get_meta(p).tags
@@ -31,9 +33,11 @@ from typing import Any
 
 import torch
 
+from .marks import META, mark_attr
+
 __all__ = ["ShardSpec", "TensorMeta", "get_meta", "has_meta", "copy_meta", "set_tag", "shard_spec"]
 
-_ATTR = "_torchloom_meta"
+_ATTR = mark_attr(META)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..core.errors import PatternError, ScheduleError
+from ..core.marks import LEAF, set_mark
 from .pattern import Match, find
 from .tracing import clean_graph
 
@@ -162,10 +163,9 @@ class GraphHolder(nn.Module):
 
     The graph module is kept as a plain attribute (not a registered sub-module): the
     modules and parameters it uses stay registered where they were, so ``state_dict()`` and
-    ``named_parameters()`` do not change and nothing is listed twice.
+    ``named_parameters()`` do not change and nothing is listed twice. The tracer keeps it
+    opaque (a ``LEAF`` mark on the class).
     """
-
-    _torchloom_leaf = True  # the tracer keeps it opaque
 
     def __init__(self, graph_module: fx.GraphModule, n_outputs: int) -> None:
         super().__init__()
@@ -185,6 +185,9 @@ class GraphHolder(nn.Module):
                                                        n.target, "__name__", str(n.target))
                                                    for n in nodes[:8]) + \
             (", ..." if len(nodes) > 8 else "")
+
+
+set_mark(GraphHolder, LEAF, True)
 
 
 # --------------------------------------------------------------------------- extract

@@ -134,7 +134,7 @@ from torch import nn
 from torch.fx.node import map_aggregate
 
 from ..core.errors import TraceError, TraceGuardError
-from ..core.marks import transfer_hooks
+from ..core.marks import LEAF, has_mark, marks_of, transfer_hooks
 
 __all__ = [
     "TRACERS",
@@ -161,7 +161,6 @@ TRACERS = ("auto", "fx")
 #: other threads, so a thread that only *runs* models is not affected by a trace.
 TRACE_LOCK = threading.RLock()
 _NO_VALUE = object()  # the value of a proxy is unknown (tracer="fx")
-_LEAF_MARK = "_torchloom_leaf"  # a class attribute: torchloom wrappers that stay leaves
 
 
 # --------------------------------------------------------------------------- guards
@@ -531,7 +530,7 @@ def is_leaf(module: nn.Module, path: str = "", leaf_modules: Sequence[str] = ())
     >>> is_leaf(nn.Linear(2, 2)), is_leaf(nn.Sequential())
     (True, False)
     """
-    if _own_forward(module) or getattr(type(module), _LEAF_MARK, False):
+    if _own_forward(module) or has_mark(type(module), LEAF):
         return True
     if isinstance(module, fx.GraphModule) and not is_traced(module):
         return True  # e.g. a fused or user-built graph
@@ -1536,7 +1535,7 @@ def trace_module(
             "(checkpoint, fork_rng or a row-parallel sync); it stays a leaf",
             path=path, primitive="trace",
             values={"module": type(module).__name__,
-                    "marks": sorted(k for k in vars(module) if k.startswith("_torchloom_"))},
+                    "marks": sorted(marks_of(module))},
             fix="trace before applying checkpoint/fork_rng/sync, or trace its parent or its "
             "children instead",
         )

@@ -15,7 +15,7 @@ How: an instance attribute ``forward`` is installed on the module, wrapping what
 by ``fork_rng``). The module is *not* wrapped in a new module, so the module tree, the
 ``state_dict()`` / ``named_parameters()`` keys and ``print(model)`` are unchanged. Module
 hooks (``register_forward_hook`` and friends) run once, outside the checkpointed region,
-and are not replayed by the recompute. The module is marked ``_torchloom_checkpointed``.
+and are not replayed by the recompute. The module is marked ``CHECKPOINTED`` (:mod:`torchloom.core.marks`).
 
 Random numbers: the recompute must draw the same dropout masks as the forward did.
 ``preserve_rng_state=True`` restores the global CPU and device generators; in addition the
@@ -70,7 +70,8 @@ True
 >>> blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
 >>> sch = tl.create_schedule(blocks)
 >>> sch.checkpoint(ratio=0.5)
->>> [getattr(b, "_torchloom_checkpointed", False) for b in blocks]
+>>> from torchloom.core.marks import CHECKPOINTED, has_mark
+>>> [has_mark(b, CHECKPOINTED) for b in blocks]
 [True, True, False, False]
 >>> mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
 >>> sch = tl.create_schedule(mlp)
@@ -92,6 +93,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ..core.marks import CHECKPOINTED, has_mark, set_mark
 from ..core.errors import CheckpointError
 from ..runtime.rng import get_rng_tracker
 from ..graph.tracing import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
@@ -104,9 +106,8 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 NAME = "checkpoint"
-MARK = "_torchloom_checkpointed"
 
-__all__ = ["NAME", "MARK", "apply", "tracker_context_fn", "CheckpointWrapper"]
+__all__ = ["NAME", "apply", "tracker_context_fn", "CheckpointWrapper"]
 
 
 # --------------------------------------------------------------------------- rng tracker
@@ -264,7 +265,7 @@ def _has_forward(mod: nn.Module) -> bool:
 
 
 def _check_not_checkpointed(node: Schedule, called_at: str, fix: str) -> None:
-    if getattr(node.mod, MARK, False):
+    if has_mark(node.mod, CHECKPOINTED):
         raise CheckpointError(
             "this module is already checkpointed",
             path=called_at,
@@ -277,7 +278,7 @@ def _check_not_checkpointed(node: Schedule, called_at: str, fix: str) -> None:
 def _install(node: Schedule) -> None:
     mod = node.mod
     mod.forward = _CheckpointForward(mod, mod.__dict__.get("forward"), node.path)
-    setattr(mod, MARK, True)
+    set_mark(mod, CHECKPOINTED, True)
 
 
 # --------------------------------------------------------------------------- apply

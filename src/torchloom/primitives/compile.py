@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..core.marks import COMPILED, has_mark, set_mark
 from ..core.errors import CompileError
 from ._common import ForwardWrapper
 from ..core.registry import primitive
@@ -61,10 +62,9 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 NAME = "compile"
-MARK = "_torchloom_compiled"
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
-__all__ = ["MARK", "MODES", "NAME", "apply", "backends"]
+__all__ = ["MODES", "NAME", "apply", "backends"]
 
 
 def backends() -> list[str]:
@@ -109,7 +109,7 @@ class _CompiledForward(ForwardWrapper):
 def _check(sch: Schedule, backend: Any, mode: Any, dynamic: Any, fullgraph: Any) -> None:
     mod = sch.mod
     values = {"module": type(mod).__name__}
-    if getattr(mod, MARK, False):
+    if has_mark(mod, COMPILED):
         raise CompileError(
             "this module is compiled already", path=sch.path, primitive=NAME, values=values,
             fix=f"compile it once: remove the second sch[{sch.path!r}].compile()")
@@ -169,4 +169,4 @@ def apply(sch: Schedule, backend: str | Callable[..., Any] = "inductor", *,
                 fix="compile the module before replacing its forward, or compile its "
                 "children")
         outer.inner = compiled
-    setattr(mod, MARK, True)
+    set_mark(mod, COMPILED, True)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..core.errors import ScheduleError
-from ..runtime.pipeline import CUT_MARK
+from ..core.marks import PIPELINE_CUT, has_mark, set_mark
 from ..graph.tracing import is_traced
 from ..core.registry import primitive
 
@@ -82,10 +82,10 @@ def apply(sch: Schedule) -> None:
             path=sch.path, primitive=NAME, values={"parent": parent.path, "target": rel},
             fix="cut after a module the model calls (look at sch[parent].mod.graph)",
         )
-    if getattr(sch.mod, CUT_MARK, False):
+    if has_mark(sch.mod, PIPELINE_CUT):
         raise ScheduleError(
             "a stage already ends after this module",
             path=sch.path, primitive=NAME, values={"module": type(sch.mod).__name__},
             fix=f"cut once: remove the second sch[{sch.path!r}].cut_pipeline_stage()",
         )
-    setattr(sch.mod, CUT_MARK, True)
+    set_mark(sch.mod, PIPELINE_CUT, True)

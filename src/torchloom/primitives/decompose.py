@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.marks import marks_of, set_mark
 from ..core.errors import FuseError
 from .replace import swap_module
 from ..core.registry import primitive
@@ -125,11 +126,11 @@ def apply(sch: Schedule) -> None:
             "the layer's forward was replaced on the instance (checkpoint, fork_rng or a "
             "row-parallel sync)",
             path=sch.path, primitive=NAME,
-            values={"marks": sorted(k for k in vars(mod) if k.startswith("_torchloom_"))},
+            values={"marks": sorted(marks_of(mod))},
             fix=f"decompose first: sch[{sch.path!r}].decompose() before those primitives",
         )
     new = DecomposedLinear(mod) if isinstance(mod, nn.Linear) else DecomposedConv1D(mod)
-    for key, value in vars(mod).items():
-        if key.startswith("_torchloom_") and key not in vars(new):
-            setattr(new, key, value)  # e.g. recorded syncs
+    for name, value in marks_of(mod).items():
+        if name not in marks_of(new):
+            set_mark(new, name, value)  # e.g. recorded syncs
     swap_module(sch, new)

@@ -11,7 +11,7 @@ How: an instance attribute ``forward`` is installed on the module, wrapping what
 ``forward`` it had (the class method, or an instance ``forward`` installed earlier, e.g.
 by ``checkpoint``; the two compose in either order). The module is not wrapped in a new
 module, so the module tree, ``state_dict()`` keys and hooks are unchanged. The module is
-marked with ``_torchloom_fork_rng = True`` so that tools (a tracer) can keep it a leaf.
+marked ``FORK_RNG`` (:mod:`torchloom.core.marks`) so that tools (a tracer) can keep it a leaf.
 
 Preconditions:
     * ``fork_rng`` was not applied to this node's module already;
@@ -28,7 +28,8 @@ Before / after:
 >>> model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
 >>> sch = tl.create_schedule(model)
 >>> sch["1"].fork_rng()
->>> model[1]._torchloom_fork_rng, list(model.state_dict())
+>>> from torchloom.core.marks import FORK_RNG, has_mark
+>>> has_mark(model[1], FORK_RNG), list(model.state_dict())
 (True, ['0.weight', '0.bias'])
 >>> _ = tl.set_random_seed(0, tp_rank=0)
 >>> default_state = torch.get_rng_state()
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..core.marks import FORK_RNG, has_mark, set_mark
 from ..core.errors import RngError
 from ..runtime.rng import MODEL_PARALLEL, get_rng_tracker
 from ._common import ForwardWrapper
@@ -53,9 +55,8 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 NAME = "fork_rng"
-MARK = "_torchloom_fork_rng"
 
-__all__ = ["NAME", "MARK", "apply"]
+__all__ = ["NAME", "apply"]
 
 
 def _device_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
@@ -96,7 +97,7 @@ class _ForkRngForward(ForwardWrapper):
 def apply(sch: Schedule) -> None:
     """Make ``sch.mod`` draw random numbers from the ``"model-parallel"`` state."""
     mod = sch.mod
-    if getattr(mod, MARK, False):
+    if has_mark(mod, FORK_RNG):
         raise RngError(
             "fork_rng was already applied to this module",
             path=sch.path,
@@ -114,4 +115,4 @@ def apply(sch: Schedule) -> None:
         )
     inner = mod.__dict__.get("forward")
     mod.forward = _ForkRngForward(mod, inner, sch.path)
-    setattr(mod, MARK, True)
+    set_mark(mod, FORK_RNG, True)

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import nn
 
 from ..core.errors import ReplaceError
-from ..core.marks import transfer_hooks
+from ..core.marks import CHECKPOINTED, FORK_RNG, has_mark, transfer_hooks
 from ..core.registry import primitive
 from ..graph.subgraph import recorded_matches
 
@@ -123,9 +123,9 @@ def swap_module(sch: Schedule, new: nn.Module) -> None:
     # fork_rng inside, checkpoint outside: the order checkpoint_forward(fork_rng_forward).
     from . import checkpoint, fork_rng
 
-    if getattr(old, fork_rng.MARK, False) and not getattr(new, fork_rng.MARK, False):
+    if has_mark(old, FORK_RNG) and not has_mark(new, FORK_RNG):
         fork_rng.apply(sch)
-    if getattr(old, checkpoint.MARK, False) and not getattr(new, checkpoint.MARK, False):
+    if has_mark(old, CHECKPOINTED) and not has_mark(new, CHECKPOINTED):
         checkpoint.apply(sch)
 
 

@@ -55,7 +55,7 @@ that :func:`torchloom.core.placement.output_placement` derives from the module's
 all-reduce or reduce-scatter of a *sharded* output, an all-gather of a *partial* output
 (or along another axis than the sharded one), a scatter of a sharded or partial output.
 
-Every sync is recorded on the module as a :class:`SyncSpec` in ``module._torchloom_syncs``.
+Every sync is recorded on the module as a :class:`SyncSpec` as the module's ``SYNCS`` mark (:mod:`torchloom.core.marks`).
 With a world of one every collective is the identity.
 
 Preconditions:
@@ -72,7 +72,8 @@ Before / after (a world of one, so values do not change):
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 >>> sch = tl.create_schedule(model)
 >>> sch["0"].sync("bwd_post", "all_reduce")
->>> [s.describe() for s in model[0]._torchloom_syncs]
+>>> from torchloom.core.marks import SYNCS, get_mark
+>>> [s.describe() for s in get_mark(model[0], SYNCS)]
 ['bwd_post all_reduce']
 """
 
@@ -86,6 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.marks import SYNCS, get_mark, set_mark
 from ..runtime import collectives as C
 from ..core.errors import SyncError
 from ..core.meta import shard_spec
@@ -383,7 +385,7 @@ def _check_output_placement(sch: Schedule, op: str, axis: int | None) -> None:
 def _check_not_twice(sch: Schedule, spec: SyncSpec) -> None:
     """Refuse a second sync of the same mode and operation (and the same input) on one
     module: it would run the collective twice (a gradient summed twice)."""
-    for previous in getattr(sch.mod, "_torchloom_syncs", []):
+    for previous in get_mark(sch.mod, SYNCS, []):
         if (previous.mode, previous.op, previous.input_name) != \
                 (spec.mode, spec.op, spec.input_name):
             continue
@@ -394,7 +396,7 @@ def _check_not_twice(sch: Schedule, spec: SyncSpec) -> None:
             "by the world size)",
             path=sch.path, primitive=NAME,
             values={"mode": spec.mode, "op": spec.op, "input_name": spec.input_name,
-                    "syncs": [s.describe() for s in sch.mod._torchloom_syncs]},
+                    "syncs": [s.describe() for s in get_mark(sch.mod, SYNCS)]},
             fix=f"apply sch[{sch.path!r}].sync({spec.mode!r}, {spec.op!r}{input_kw}) once "
             "per module (a built-in schedule may already have added it: print(sch[path]) "
             "lists the syncs); a different input of the same module takes input_name=...",
@@ -442,7 +444,7 @@ def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **k
                 lambda m, args, kw: _map_input(args, kw, name, position, path, op),
                 with_kwargs=True,
             )
-    module._torchloom_syncs = [*getattr(module, "_torchloom_syncs", []), spec]
+    set_mark(module, SYNCS, [*get_mark(module, SYNCS, []), spec])
 
 
 __all__ = ["NAME", "MODES", "SyncSpec", "apply"]

@@ -59,6 +59,15 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from ..core.marks import (
+    KEY_ORDER,
+    PIPELINE_CUT,
+    PRETRAINED_INFO,
+    TIED_KEYS,
+    get_mark,
+    has_mark,
+    set_mark,
+)
 from .compat import (
     PIPELINE_SENDS_NON_FLOAT,
     from_transport,
@@ -82,16 +91,15 @@ from ..graph.tracing import (
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
-__all__ = ["CUT_MARK", "cut_paths", "split_stages", "Stages", "TiedWeight", "tied_weights",
+__all__ = ["cut_paths", "split_stages", "Stages", "TiedWeight", "tied_weights",
            "PipelineModel", "build_pipeline", "check_schedule", "local_stage_tensors"]
 
-CUT_MARK = "_torchloom_pipeline_cut"
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
 def cut_paths(sch: Schedule) -> list[str]:
     """The paths of the modules after which a stage ends, in tree order."""
-    return [path for path, node in sch.root.named_schedules() if getattr(node.mod, CUT_MARK, False)]
+    return [path for path, node in sch.root.named_schedules() if has_mark(node.mod, PIPELINE_CUT)]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -766,15 +774,14 @@ class PipelineModel(nn.Module):
         for module in everything:
             _mirror_into(whole, module, "", source)
         #: every key of the whole model, in stage order (read by save_pretrained and load)
-        self._torchloom_key_order: list[str] = list(whole.state_dict().keys())
+        set_mark(self, KEY_ORDER, list(whole.state_dict().keys()))
         #: keys of one parameter held by several stages (tied weights)
-        self._torchloom_tied_keys: list[list[str]] = [
-            list(dict.fromkeys(name for _, name in places))
-            for places in (split.ties if split is not None else [])]
+        set_mark(self, TIED_KEYS, [list(dict.fromkeys(name for _, name in places))
+                                   for places in (split.ties if split is not None else [])])
         if source is not None:
             from .pretrained import describe_model
 
-            self._torchloom_pretrained_info = describe_model(source)
+            set_mark(self, PRETRAINED_INFO, describe_model(source))
 
     @property
     def stage_module(self) -> nn.Module:
@@ -783,7 +790,7 @@ class PipelineModel(nn.Module):
 
     def all_state_dict_keys(self) -> list[str]:
         """The state-dict keys of the whole model (every stage's), in stage order."""
-        return list(self._torchloom_key_order)
+        return list(get_mark(self, KEY_ORDER))
 
     def train(self, mode: bool = True) -> PipelineModel:
         super().train(mode)

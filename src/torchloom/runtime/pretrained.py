@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark
 from ..core.errors import PretrainedError
 from ..core.meta import ShardSpec, shard_spec
 
@@ -159,7 +160,7 @@ def describe_model(model: nn.Module) -> PretrainedInfo:
     'Linear'
     """
     model = unwrap(model)
-    info = getattr(model, "_torchloom_pretrained_info", None)
+    info = get_mark(model, PRETRAINED_INFO)
     if isinstance(info, PretrainedInfo):
         return info
     config = getattr(model, "config", None)
@@ -483,8 +484,8 @@ def _plan_for(model: nn.Module, group: Any, primitive: str,
             raise err
     module = unwrap(model)
     info = describe_model(module)
-    plan = _make_plan([g[0] for g in gathered], getattr(module, "_torchloom_key_order", None),
-                      getattr(module, "_torchloom_tied_keys", []), info.tied, primitive)
+    plan = _make_plan([g[0] for g in gathered], get_mark(module, KEY_ORDER),
+                      get_mark(module, TIED_KEYS, []), info.tied, primitive)
     return plan, {e.key: e for e in entries}, [g[2] for g in gathered]
 
 

@@ -123,6 +123,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.marks import FOREIGN_IDS, pop_mark, set_mark
 from ..core.errors import ScheduleError
 from ..core.meta import get_meta, shard_spec
 from ..primitives._common import tied_names
@@ -299,7 +300,7 @@ def vocab_ids_local(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 
     def localise(ids: torch.Tensor) -> torch.Tensor:
         foreign = (ids < start) | (ids >= start + rows)
-        module._torchloom_foreign_ids = foreign
+        set_mark(module, FOREIGN_IDS, foreign)
         return (ids - start).masked_fill(foreign, 0)
 
     if args and isinstance(args[0], torch.Tensor):
@@ -312,7 +313,7 @@ def vocab_ids_local(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 def vocab_rows_masked(module: nn.Module, args: tuple, output: Any) -> Any:
     """``fwd_post`` hook after :func:`vocab_ids_local`: the rows of ids another rank owns
     become zeros, so the all-reduce that follows sums exactly one row per id."""
-    foreign = module.__dict__.pop("_torchloom_foreign_ids", None)
+    foreign = pop_mark(module, FOREIGN_IDS)
     if foreign is None or not isinstance(output, torch.Tensor):
         return output
     return output.masked_fill(foreign.unsqueeze(-1), 0.0)

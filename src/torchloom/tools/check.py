@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..core.marks import SYNCS, get_mark
 from ..core.meta import shard_spec
 from ..core.placement import Placement, output_placement
 
@@ -94,7 +95,7 @@ class CheckReport:
 
 
 def _syncs(module: nn.Module) -> list:
-    return list(getattr(module, "_torchloom_syncs", []))
+    return list(get_mark(module, SYNCS, []))
 
 
 def _is_callable_sync(spec: object) -> bool:

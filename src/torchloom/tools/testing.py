@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..core.marks import SYNCS, get_mark, marks_of
 from ..core.outputs import tensors_in
 from ..core.meta import get_meta, has_meta
 from ..core.recipe import Recipe, apply_recipe
@@ -43,8 +44,8 @@ def structure_of(model: nn.Module) -> dict[str, Any]:
             tuple(sorted(meta.tags.items())) if meta else (),
         )
     marks = {
-        name: tuple(sorted(k for k in vars(m) if k.startswith("_torchloom_") and k != "_torchloom_syncs"))
-        + tuple(s.describe() for s in getattr(m, "_torchloom_syncs", []))
+        name: tuple(sorted(k for k in marks_of(m) if k != SYNCS))
+        + tuple(s.describe() for s in get_mark(m, SYNCS, []))
         for name, m in model.named_modules()
     }
     return {"modules": modules, "tensors": tensors, "marks": marks}

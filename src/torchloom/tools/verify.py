@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.marks import SYNCS, get_mark
 from ..runtime import collectives as C
 from ..runtime.agree import check_ranks_agree
 from ..core.outputs import tensors_in
@@ -526,13 +527,13 @@ class Verify:
             for depth in range(len(parts) - 1, -1, -1):
                 ancestor = self.sch.mod.get_submodule(".".join(parts[:depth]))
                 if any(s.mode == "fwd_post" and s.op in ("all_reduce", "reduce_scatter")
-                       for s in getattr(ancestor, "_torchloom_syncs", [])):
+                       for s in get_mark(ancestor, SYNCS, [])):
                     return True
             return False
         placement = output_placement(module)
         if placement is None or placement.kind != "shard":
             return False
-        own = getattr(module, "_torchloom_syncs", [])
+        own = get_mark(module, SYNCS, [])
         return not any((s.mode == "bwd_post" and s.op == "all_reduce")
                        or (s.mode == "fwd_pre" and s.op == "all_gather") for s in own)
 
