@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     import torchloom as tl
-    from torchloom.runtime.pipeline import split_stages
+    from torchloom.runtime.pipeline_split import split_stages
 
     start = rss_anon()
     peak = [start]

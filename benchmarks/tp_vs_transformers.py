@@ -190,7 +190,7 @@ def _load_torchloom(folder: str, model_class: str, config: Any, sp: bool
     loads them), ``from_pretrained`` on every rank, then schedule and build."""
     import torchloom as tl
     from torchloom import schedules
-    from torchloom.runtime.state import CheckpointMismatchError
+    from torchloom.runtime.gather import CheckpointMismatchError
 
     cls = zoo_sweep.model_class_of(model_class)
     knobs = {"tp": True, "sequence_parallel": True} if sp else {"tp": True}

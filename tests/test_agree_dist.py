@@ -39,7 +39,9 @@ def _tp_gpt2(rank: int, skip_sync: bool = False) -> tl.Schedule:
 
 def _mismatch(rank: int, build, line: int, here: str, there: str) -> str:
     other = 1 - rank
-    with pytest.raises(tl.ScheduleMismatchError) as info:
+    with pytest.raises(tl.ScheduleMismatchError, match=(
+            rf"rank {rank} and rank {other} scheduled differently: recipe line {line} "
+            r"differs")) as info:
         build()
     message = str(info.value)
     expected = (f"rank {rank} and rank {other} scheduled differently: recipe line {line} "
@@ -56,7 +58,7 @@ def _mismatch(rank: int, build, line: int, here: str, there: str) -> str:
 def _check_chunks_differ(rank: int) -> None:
     sch = tl.create_schedule(tiny.gpt2())
     sch["transformer.h.0.attn.c_attn"].shard("weight", 1, chunks=3 if rank == 1 else 1)
-    texts = {0: "sch['transformer.h.0.attn.c_attn'].shard('weight', 1, chunks=1)",
+    texts = {0: "sch['transformer.h.0.attn.c_attn'].shard('weight', 1)",
              1: "sch['transformer.h.0.attn.c_attn'].shard('weight', 1, chunks=3)"}
     message = _mismatch(rank, lambda: tl.build(sch), 1, texts[rank], texts[1 - rank])
     assert message.startswith("build(...): ")
@@ -93,7 +95,9 @@ def _check_recipe_ends_early(rank: int) -> None:
 def _check_other_parameter_shapes(rank: int) -> None:
     sch = tl.create_schedule(tiny.gpt2(n_layer=2 if rank == 0 else 3))
     sch["transformer.h.0"].checkpoint()
-    with pytest.raises(tl.ScheduleMismatchError) as info:
+    with pytest.raises(tl.ScheduleMismatchError, match=(
+            rf"rank {rank} and rank {1 - rank} have the same recipe but other local "
+            r"parameters: parameter 27 differs")) as info:
         tl.build(sch)
     message = str(info.value)
     assert f"rank {rank} and rank {1 - rank} have the same recipe but other local " \

@@ -20,7 +20,8 @@ import torchloom as tl
 from tests import tiny
 from tests.bad_input_cases import collect
 from torchloom.core.errors import BuildError, RecipeError
-from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.runtime.gather import CheckpointMismatchError
+from torchloom.runtime.state import CheckpointIOError
 
 
 def _gpt2() -> tl.Schedule:
@@ -328,7 +329,7 @@ def test_the_catalogue_is_large():
 
 @pytest.mark.parametrize(("case", "error", "pattern"), CASES, ids=[c.__name__ for c, _, _ in CASES])
 def test_bad_input(case: Callable, error: type, pattern: str, tmp_path: Path) -> None:
-    with pytest.raises(error) as info:
+    with pytest.raises(error, match=re.compile(pattern, re.DOTALL)) as info:
         case(tmp_path) if case.__code__.co_argcount else case()
     message = str(info.value)
     assert re.search(pattern, message, re.DOTALL), message

@@ -422,9 +422,9 @@ def test_kv_cache_in_training_is_turned_off_with_one_warning():
     # (was refused with a CheckpointError; a default transformers config makes a cache in
     # training, so the layer now runs without it, as transformers' gradient checkpointing
     # does; tests/test_defaults.py covers default configs and prefilled caches)
-    from torchloom.graph import tracing
+    from torchloom.graph import guards
 
-    tracing._WARNED.clear()
+    guards._WARNED.clear()
     model = tiny_gpt2()
     tl.create_schedule(model)["transformer.h.*"].checkpoint()
     ids = inputs()["input_ids"]

@@ -29,9 +29,9 @@ import transformers
 
 import torchloom as tl
 from torchloom import schedules
-from torchloom.graph import tracing
+from torchloom.graph import guards, tracing
 from torchloom.core.errors import CheckpointError, TraceError, TraceGuardError
-from torchloom.runtime.pipeline import replay_stages, split_stages
+from torchloom.runtime.pipeline_split import replay_stages, split_stages
 
 VOCAB = 128
 
@@ -110,7 +110,7 @@ def assert_same(got: tuple, want: tuple, exact: bool = True) -> None:
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    tracing._WARNED.clear()  # one-time warnings: each test sees its own first one
+    guards._WARNED.clear()  # one-time warnings: each test sees its own first one
     yield
 
 

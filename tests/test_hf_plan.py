@@ -50,7 +50,7 @@ from torchloom.schedules.hf_plan import (
     tp_plan_of,
 )
 from torchloom.schedules.llama import schedule_llama
-from torchloom.runtime.pipeline import cut_paths
+from torchloom.runtime.pipeline_split import cut_paths
 
 
 def _lines(sch: tl.Schedule) -> list[str]:

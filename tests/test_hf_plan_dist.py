@@ -33,6 +33,7 @@ from torchloom import schedules
 from torchloom.runtime.collectives import count_collectives
 from torchloom.schedules.hf_plan import from_hf_plan, tp_plan_of
 from torchloom.schedules.llama import schedule_llama
+from torchloom.schedules import ScheduleConfig
 
 LAYERS = 2
 DENSE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -266,7 +267,7 @@ DERIVED_WHOLE_VOCAB = ({"all_reduce": 2 * LAYERS}, {"all_reduce": 5 * LAYERS})
 
 
 def _check_collective_counts(rank: int) -> None:
-    hand = _counts(lambda sch: schedule_llama(sch, tp=True))
+    hand = _counts(lambda sch: schedule_llama(sch, ScheduleConfig(tp=2)))
     derived = _counts(lambda sch: from_hf_plan(sch))
     whole = _counts(lambda sch: from_hf_plan(sch, vocab_parallel=False))
     assert hand == HAND, hand

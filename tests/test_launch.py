@@ -74,7 +74,8 @@ def test_a_hung_rank_ends_the_launch_and_is_named_with_where_it_hung():
     # The hung rank is the root cause, stopped by the launcher, with the stack it was in.
     assert hung["type"] == "RankHung" and hung["cause"] == "hung" and hung["root_cause"]
     assert "_stuck_for_a_minute" in hung["summary"] and "_hang_in_backward" in hung["summary"]
-    with pytest.raises(RankFailedError) as info:
+    with pytest.raises(RankFailedError, match=r"^torchloom verify\(\.\.\.\): rank 1 of 2 hung "
+                       r"first: rank 1 was still running 3 s after rank 0 failed") as info:
         launch.raise_first_failure(results, command="torchloom verify")
     message = str(info.value)
     assert message.startswith(

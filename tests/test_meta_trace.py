@@ -22,7 +22,7 @@ import torchloom as tl
 from torchloom import schedules
 from torchloom.graph import tracing
 from torchloom.core.errors import BuildError, TraceError
-from torchloom.runtime.pipeline import split_stages, tied_weights
+from torchloom.runtime.pipeline_split import split_stages, tied_weights
 from tests.test_defaults import LAYERS, batch, default_model
 
 

@@ -109,7 +109,10 @@ def test_heads_per_rank_factories_are_in_the_recipe():
 @pytest.mark.parametrize("name", ["opt", "t5"])
 def test_sequence_parallel_is_refused_where_it_cannot_work(name):
     sch = tl.create_schedule(_make(name, {}, None))
-    with pytest.raises(ScheduleError) as info:
+    problem = {"opt": r"the MLP's input cannot be all-gathered along the sequence axis",
+               "t5": r"the blocks cannot run on sequence slices"}[name]
+    with pytest.raises(ScheduleError, match=rf"\.schedule_{name}\(\.\.\.\): .*{problem}"
+                       ) as info:
         schedules.apply_schedule(sch, tp=True, sequence_parallel=True)
     err = info.value
     assert err.primitive == f"schedules.schedule_{name}"
@@ -144,7 +147,7 @@ def test_compile_knob_keeps_outputs_and_gradients(name, extra, cls):
                    for i in range(len(model.get_submodule(stack)))] if cls is None else None
     if layer_paths is not None:
         assert compiled == layer_paths
-    assert compiled and all("compile('aot_eager')" in line
+    assert compiled and all("compile(backend='aot_eager')" in line
                             for line in str(sch.recipe).splitlines() if "compile(" in line)
     out, ref_out = model(**inputs), reference(**inputs)
     torch.testing.assert_close(out[0], ref_out[0], rtol=1e-5, atol=1e-6)
@@ -166,7 +169,7 @@ def test_kernel_knobs_with_inductor(name):
     sch = tl.create_schedule(model)
     schedules.apply_schedule(sch, attention="sdpa", fused=True, ckpt_ratio=0.5, compile=True)
     text = str(sch.recipe)
-    assert "make_sdpa_" in text and "make_fused_" in text and ".compile('inductor')" in text
+    assert "make_sdpa_" in text and "make_fused_" in text and ".compile()" in text
     assert list(model.state_dict()) == list(reference.state_dict())
     out, ref_out = model(**inputs), reference(**inputs)
     torch.testing.assert_close(out[0], ref_out[0], rtol=1e-5, atol=1e-5)
@@ -180,19 +183,22 @@ def test_kernel_knobs_with_inductor(name):
 
 def test_kernel_knob_errors():
     sch = tl.create_schedule(_make("gpt2", {}, None))
-    with pytest.raises(ScheduleError) as info:
+    with pytest.raises(ScheduleError, match=(
+            r"the fused blocks compute their projections without calling the projection "
+            r"modules")) as info:
         schedules.apply_schedule(sch, tp=True, fused=True)
     assert str(info.value).splitlines()[0] == (
-        "sch[''].models.schedule_gpt2(...): the fused blocks compute their projections "
+        "schedules.apply_schedule(...): the fused blocks compute their projections "
         "without calling the projection modules, so tensor parallelism's sync hooks on those "
         "modules would not run")
     assert info.value.fix.startswith("apply_schedule(sch, tp=True, compile=True)")
-    with pytest.raises(ScheduleError) as info:
+    with pytest.raises(ScheduleError, match=r"unknown attention kernel 'flash'") as info:
         schedules.apply_schedule(sch, attention="flash")
     assert info.value.values == {"attention": "flash", "choices": ["model", "sdpa"]}
-    with pytest.raises(ScheduleError) as info:
+    with pytest.raises(ScheduleError, match=(
+            r"compile must be True, False or a torch\.compile backend name")) as info:
         schedules.apply_schedule(sch, tp=True, ckpt_ratio=0.5, compile=1)
-    assert info.value.values == {"compile": "1"}
+    assert info.value.values == {"compile": 1}
     assert info.value.path == ""
     assert len(sch.recipe) == 0
 
@@ -246,7 +252,8 @@ def test_gpt2_kernel_replacements_wait_for_the_size_checks():
 
 def test_unknown_knob_lists_the_valid_ones():
     sch = tl.create_schedule(_make("t5", {}, None))
-    with pytest.raises(ScheduleError) as info:
+    with pytest.raises(ScheduleError,
+                       match=r"unknown knob 'ckpt' for the built-in schedule of T5") as info:
         schedules.apply_schedule(sch, tp=True, ckpt=0.5)
     assert info.value.values == {"unknown": ["ckpt"],
                                  "knobs": ["tp", "sequence_parallel", "ckpt_ratio", "compile"]}

@@ -39,7 +39,29 @@ def test_identical_layers_collapse_into_one_line():
 
 def test_print_schedule_is_render_tree():
     sch = gpt2_schedule(2)
-    assert str(sch) == render_tree(sch)
+    assert str(sch) == "\n".join([
+        "GPT2LMHeadModel (37.8K params)",
+        "├── transformer: GPT2Model",
+        "│   ├── wte: Embedding  weight[256, 32]",
+        "│   ├── wpe: Embedding  weight[128, 32]",
+        "│   ├── drop: Dropout",
+        "│   ├── h: ModuleList",
+        "│   │   └── h.0 .. h.1: GPT2Block x2",
+        "│   │       ├── ln_1: LayerNorm  weight[32] bias[32]",
+        "│   │       ├── attn: GPT2Attention",
+        "│   │       │   ├── c_attn: Conv1D  weight[32, 96] bias[96]",
+        "│   │       │   ├── c_proj: Conv1D  weight[32, 32] bias[32]",
+        "│   │       │   ├── attn_dropout: Dropout",
+        "│   │       │   └── resid_dropout: Dropout",
+        "│   │       ├── ln_2: LayerNorm  weight[32] bias[32]",
+        "│   │       └── mlp: GPT2MLP",
+        "│   │           ├── c_fc: Conv1D  weight[32, 128] bias[128]",
+        "│   │           ├── c_proj: Conv1D  weight[128, 32] bias[32]",
+        "│   │           ├── act: NewGELUActivation",
+        "│   │           └── dropout: Dropout",
+        "│   └── ln_f: LayerNorm  weight[32] bias[32]",
+        "└── lm_head: Linear  weight[256, 32]",
+    ])
     assert str(sch["transformer.h"]).splitlines()[0] == "transformer.h: ModuleList"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 
 import pytest
@@ -164,7 +165,9 @@ def test_full_optimizer_state_dict_world_of_one(trained):
 def test_checkpoint_of_another_model_lists_the_keys(trained):
     _, _, path = trained
     other, other_opt = _fresh(n_layer=1)
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): the checkpoint holds another model: its keys differ from the "
+            "model's")) as info:
         S.load(other, other_opt, path)
     message = str(info.value)
     assert message.startswith(
@@ -181,7 +184,8 @@ def test_checkpoint_of_another_model_lists_the_keys(trained):
 def test_wrong_full_shapes(trained):
     _, _, path = trained
     other, other_opt = _fresh(vocab_size=256)
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): full shapes differ between the checkpoint and the model")) as info:
         S.load(other, other_opt, path)
     assert str(info.value) == (
         "load(...): full shapes differ between the checkpoint and the model\n"
@@ -197,7 +201,9 @@ def test_model_sharded_for_another_world_size(trained):
     model, opt = _fresh()
     weight = model.transformer.h[0].mlp.c_fc.weight
     get_meta(weight).shard = ShardSpec(axis=1, full_shape=(32, 128), world_size=2, rank=0)
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): 'transformer.h.0.mlp.c_fc.weight' was sharded for rank 0 of 2, but this "
+            "is rank 0 of a group of 1")) as info:
         S.load(model, opt, path)
     assert str(info.value) == (
         "load(...): 'transformer.h.0.mlp.c_fc.weight' was sharded for rank 0 of 2, but this "
@@ -206,7 +212,9 @@ def test_model_sharded_for_another_world_size(trained):
         "group_size=1, group_rank=0\n"
         "    fix: call it on every rank of the group the model was scheduled with: "
         "load(model, ..., group=sch.group)")
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "full_state_dict(...): 'transformer.h.0.mlp.c_fc.weight' was sharded for rank 0 "
+            "of 2")) as info:
         S.full_state_dict(model)
     assert str(info.value).startswith("full_state_dict(...): 'transformer.h.0.mlp.c_fc.weight' "
                                       "was sharded for rank 0 of 2")
@@ -216,7 +224,9 @@ def test_world_size_that_does_not_divide_the_axis():
     model = nn.Linear(4, 6)
     get_meta(model.weight).shard = ShardSpec(axis=0, full_shape=(6, 4), world_size=1, rank=0,
                                              chunks=4)
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "full_state_dict(...): axis 0 of 'weight' (size 6) does not split into 4 block(s) "
+            "of 1 equal pieces")) as info:
         S.full_state_dict(model)
     assert str(info.value) == (
         "full_state_dict(...): axis 0 of 'weight' (size 6) does not split into 4 block(s) of "
@@ -229,7 +239,8 @@ def test_optimizer_errors(tmp_path, trained):
     model, _, path = trained
     S.save(model, None, tmp_path / "model-only", step=1)
     fresh, fresh_opt = _fresh()
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): the checkpoint holds no optimizer state")) as info:
         S.load(fresh, fresh_opt, tmp_path / "model-only")
     assert str(info.value) == (
         "load(...): the checkpoint holds no optimizer state\n"
@@ -238,7 +249,8 @@ def test_optimizer_errors(tmp_path, trained):
         "save(model, optimizer, path, step)")
 
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1)
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): the checkpoint holds the state of another optimizer class")) as info:
         S.load(fresh, sgd, path)
     assert str(info.value) == (
         "load(...): the checkpoint holds the state of another optimizer class\n"
@@ -247,7 +259,8 @@ def test_optimizer_errors(tmp_path, trained):
 
     params = list(fresh.parameters())
     split = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "load(...): the optimizer's parameter groups differ from the checkpoint's")) as info:
         S.load(fresh, split, path)
     message = str(info.value)
     assert message.startswith(
@@ -259,7 +272,9 @@ def test_optimizer_errors(tmp_path, trained):
         "the one that was saved")
 
     stranger = torch.optim.AdamW([nn.Parameter(torch.zeros(3, 5))])
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "save(...): param_groups[0] of the optimizer holds a parameter of shape (3, 5) that "
+            "is not a parameter of the model")) as info:
         S.save(fresh, stranger, tmp_path / "x", step=0)
     assert str(info.value) == (
         "save(...): param_groups[0] of the optimizer holds a parameter of shape (3, 5) that "
@@ -272,13 +287,16 @@ def test_optimizer_errors(tmp_path, trained):
 
 def test_bad_arguments(tmp_path):
     model, opt = _fresh()
-    with pytest.raises(S.CheckpointIOError) as info:
+    with pytest.raises(S.CheckpointIOError, match=re.escape(
+            "save(...): step must be a non-negative int, not 2.5")) as info:
         S.save(model, opt, tmp_path / "c", step=2.5)
     assert str(info.value) == (
         "save(...): step must be a non-negative int, not 2.5\n"
         "    values: step=2.5\n"
         "    fix: save(model, optimizer, path, step=int(step))")
-    with pytest.raises(tl.ScheduleError) as info:
+    with pytest.raises(tl.ScheduleError, match=re.escape(
+            "init_distributed(...): timeout_s must be a positive number of seconds, "
+            "not 0")) as info:
         S.init_distributed(timeout_s=0)
     assert str(info.value) == (
         "init_distributed(...): timeout_s must be a positive number of seconds, not 0\n"
@@ -297,7 +315,8 @@ def test_init_distributed_twice_raises():
     assert S.init_distributed(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                               timeout_s=5) == (0, 1)
     try:
-        with pytest.raises(tl.ScheduleError) as info:
+        with pytest.raises(tl.ScheduleError, match=re.escape(
+                "init_distributed(...): the default process group is already initialised")) as info:
             S.init_distributed(timeout_s=5)
         assert str(info.value) == (
             "init_distributed(...): the default process group is already initialised; its "

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -259,7 +260,8 @@ def _dead_rank_worker(rank: int, port: int, mode: str) -> None:
             time.sleep(TIMEOUT_S + 1)
         os._exit(0)
     start = time.monotonic()
-    with pytest.raises(S.CollectiveTimeoutError) as info:
+    with pytest.raises(S.CollectiveTimeoutError, match=re.escape(
+            "full_state_dict(...): collective all_gather failed after")) as info:
         S.full_state_dict(model)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT_S + 3, elapsed

@@ -26,10 +26,10 @@ from torch import nn
 import torchloom as tl
 from tests.dist import spawn
 from torchloom.runtime.collectives import count_collectives
-from torchloom.schedules._common import column, row
 from torchloom.schedules.bert import schedule_bert
 from torchloom.schedules.gpt2 import schedule_gpt2, split_qkv_per_rank
 from torchloom.schedules.llama import schedule_llama
+from torchloom.schedules import ScheduleConfig
 
 WORLD = 2
 LAYERS = 2
@@ -77,31 +77,31 @@ gpt2_attention_split = split_qkv_per_rank
 
 
 def tp_gpt2(sch: tl.Schedule, sp: bool) -> None:
-    schedule_gpt2(sch, tp=True, sequence_parallel=sp)
+    schedule_gpt2(sch, ScheduleConfig(tp=2, sequence_parallel=sp))
 
 
 def tp_bert(sch: tl.Schedule, sp: bool) -> None:
-    schedule_bert(sch, tp=True, sequence_parallel=sp)
+    schedule_bert(sch, ScheduleConfig(tp=2, sequence_parallel=sp))
 
 
 def tp_llama(sch: tl.Schedule, sp: bool) -> None:
-    schedule_llama(sch, tp=True, sequence_parallel=sp)
+    schedule_llama(sch, ScheduleConfig(tp=2, sequence_parallel=sp))
 
 
 def tp_gpt2_sdpa(sch: tl.Schedule, sp: bool) -> None:
     """torchloom.ops' SDPA attention in place of GPT-2's, then the same TP/SP schedule."""
-    schedule_gpt2(sch, tp=True, sequence_parallel=sp, attention="sdpa")
+    schedule_gpt2(sch, ScheduleConfig(tp=2, sequence_parallel=sp, attention="sdpa"))
 
 
 def tp_bert_sdpa(sch: tl.Schedule, sp: bool) -> None:
-    schedule_bert(sch, tp=True, sequence_parallel=sp, attention="sdpa")
+    schedule_bert(sch, ScheduleConfig(tp=2, sequence_parallel=sp, attention="sdpa"))
 
 
 def tp_gpt2_compiled(sch: tl.Schedule, sp: bool) -> None:
     """Each block compiled around its TP hooks (aot_eager: dynamo capture and AOT
     autograd, as with inductor, without the codegen): the same logits, gradients and
     collective counts as the eager TP schedule."""
-    schedule_gpt2(sch, tp=True, sequence_parallel=sp, compile="aot_eager")
+    schedule_gpt2(sch, ScheduleConfig(tp=2, sequence_parallel=sp, compile="aot_eager"))
 
 
 # Collectives per step. Megatron TP: per layer, one all-reduce after each row-parallel
@@ -216,9 +216,10 @@ def _check_dropout(rank: int) -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 8))
     sch = tl.create_schedule(mlp)
-    column(sch["0"])
+    sch["0"].shard("weight", 0)  # column parallel
+    sch["0"].shard("bias", 0)
     sch["0"].sync("bwd_post", "all_reduce")
-    row(sch["2"])
+    sch["2"].shard("weight", 1)  # row parallel (the bias stays whole)
     sch["2"].sync("fwd_post", "all_reduce")
     sch["1"].fork_rng()
     tl.set_random_seed(3, tp_rank=rank)

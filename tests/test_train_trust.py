@@ -95,7 +95,9 @@ def test_allow_config_change_resumes(cli, finished_run, tmp_path):
 
 def test_a_different_recipe_is_a_difference():
     saved = {**{k: 1 for k in T.RUN_FIELDS}, "recipe": "sch['h'].checkpoint()"}
-    with pytest.raises(S.CheckpointMismatchError) as info:
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            "torchloom train(...): checkpoint 'step-4' was saved by a run with another "
+            "configuration: recipe")) as info:
         T._compare(saved, {**saved, "recipe": ""}, "step-4", "runs/x")
     assert str(info.value) == (
         "torchloom train(...): checkpoint 'step-4' was saved by a run with another "
@@ -132,10 +134,10 @@ def test_resume_without_a_checkpoint_exits_2_naming_the_directory(cli, tmp_path,
 
     def crash(*args):
         original(*args)
-        raise Crash
+        raise Crash("crash after _checksums")
 
     monkeypatch.setattr(S, "_checksums", crash)
-    with pytest.raises(Crash):
+    with pytest.raises(Crash, match=r"^crash after _checksums$"):
         T.train_rank(0, T.TrainConfig(steps=1, batch_size=2, seq_len=16, save_dir=crashed)
                      .to_dict())
     monkeypatch.undo()
@@ -166,7 +168,9 @@ def test_a_nan_loss_stops_before_its_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T, "_step_loss", nan_at_step_3)
     cfg = T.TrainConfig(steps=4, batch_size=2, seq_len=16, save_dir=save_dir, save_every=1)
-    with pytest.raises(T.NonFiniteLossError) as info:
+    with pytest.raises(T.NonFiniteLossError, match=re.escape(
+            "torchloom train(...): the loss of step 3 is nan: training stopped before the "
+            "optimizer step")) as info:
         T.train_rank(0, cfg.to_dict())
     last = os.path.join(save_dir, "step-2")
     assert str(info.value) == (
@@ -195,7 +199,8 @@ def test_models_and_lengths_that_cannot_train_are_refused_up_front(cli):
         "seq_len=300, max_position_embeddings=128 fix: torchloom train --model opt --size "
         "tiny --seq-len 128")
     # gpt2's position table grows to the sequence (and the checkpoint records seq_len)
-    assert T._positions("gpt2", "tiny", 300) == {"n_positions": 300}
+    grown = T.meta_model(T.TrainConfig(model="gpt2", size="tiny", seq_len=300))
+    assert grown.config.n_positions == 300 and grown.transformer.wpe.weight.shape[0] == 300
 
 
 def test_timeout_reaches_the_launcher_and_torchrun(cli, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_dependent_space_enumerates_in_order() -> None:
     ],
 )
 def test_bad_space_definitions_raise_tune_errors(build, needle) -> None:
-    with pytest.raises(TuneError) as info:
+    with pytest.raises(TuneError, match=re.escape(needle)) as info:
         build(Space())
     assert needle in str(info.value)
     assert isinstance(info.value, tl.ScheduleError)
@@ -124,7 +125,7 @@ class Synthetic:
 
     def __call__(self, recipe: tl.Recipe, point: dict) -> Result:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(f"synthetic interrupt after {self.interrupt_after} trials")
         assert recipe[0].kwargs == {"ratio": point["ckpt_ratio"]}  # the candidate is the point's
         self.calls.append(dict(point))
         if memory(point) > LIMIT:
@@ -286,7 +287,7 @@ def test_interrupted_run_resumes_without_repeating_trials(tmp_path: Path, strate
     stop = max(2, len(reference_eval.calls) // 2)
     db = tmp_path / "trials.db"
     first = Synthetic(interrupt_after=stop)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match=rf"^synthetic interrupt after {stop} trials$"):
         run(make(strategy), first, db=db)
     assert len(first.calls) == stop
     assert len(Database(db).load()) == stop  # every finished trial was committed

@@ -122,7 +122,8 @@ def test_a_failing_worker_reports_its_error(tmp_path) -> None:
         "make_inputs": "tests.test_tune_memory:gpt2_inputs", "make_inputs_kwargs": {},
         "recipe": tl.Recipe().to_json(), "point": {"batch_size": 2}, "steps": 1,
         "warmup": 0, "memory_limit_bytes": None, "seed": 0}))
-    with pytest.raises(tl.RecipeError):
+    with pytest.raises(tl.RecipeError, match=(
+            r"cannot import 'tests\.test_tune_memory:no_such_function': .*no_such_function")):
         worker.main([str(spec), str(out)])
     result = json.loads(out.read_text())
     assert result["ok"] is False and "no_such_function" in result["error"]

@@ -44,7 +44,9 @@ def test_correct_schedules_pass_exactly():
 def test_a_wrong_replacement_is_named_in_forward():
     model = tiny.bert()
     sch = tl.create_schedule(model)
-    with pytest.raises(tl.VerificationError) as info:
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "sch['bert.encoder.layer.1.intermediate.intermediate_act_fn'].Verify(...): the "
+            "forward output differs from the original model's")) as info:
         with tl.Verify(sch, _inputs()):
             sch["bert.encoder.layer.1.intermediate.intermediate_act_fn"].replace(nn.ReLU())
     err = info.value
@@ -61,7 +63,9 @@ def test_a_wrong_replacement_is_named_in_forward():
 def test_an_unseeded_checkpoint_is_caught_by_the_backward_check():
     model = tiny.gpt2(dropout=0.3)
     sch = tl.create_schedule(model)
-    with pytest.raises(tl.VerificationError) as info:
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "sch['transformer.h.1'].Verify(...): the input gradient differs from the original "
+            "model's")) as info:
         with tl.Verify(sch, _inputs()):
             sch["transformer.h.1"].replace(UnseededCheckpoint(model.transformer.h[1]))
     assert info.value.path == "transformer.h.1"
@@ -100,7 +104,9 @@ def test_global_state_is_restored_even_on_failure():
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    with pytest.raises(tl.VerificationError):
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "sch['transformer.h.1.mlp.act'].Verify(...): the forward output differs from the "
+            "original model's")):
         with tl.Verify(sch, _inputs()):
             sch["transformer.h.1.mlp.act"].replace(nn.ReLU())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -120,7 +126,8 @@ def test_disabled_verify_is_a_no_op():
 
 def test_an_exception_in_the_block_is_not_hidden():
     sch = tl.create_schedule(tiny.gpt2())
-    with pytest.raises(tl.PathError):
+    with pytest.raises(tl.PathError, match=re.escape(
+            "sch['transformer.h.9']: no module matches this path")):
         with tl.Verify(sch, _inputs()):
             sch["transformer.h.9"].checkpoint()
 
@@ -174,7 +181,8 @@ def test_a_pipeline_cut_that_drops_a_value_is_named():
     sch.trace_until("transformer.h.*", example_inputs=micro)
     with tl.Verify(sch, micro, pipeline_example=micro):  # the shape it was built for: fine
         sch["transformer.h.1"].cut_pipeline_stage()
-    with pytest.raises(tl.VerificationError) as info:
+    with pytest.raises(tl.VerificationError, match=re.escape(
+            "were fixed to their value on the example micro-batch")) as info:
         with tl.Verify(sch, other, pipeline_example=micro):
             pass
     err = info.value

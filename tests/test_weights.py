@@ -22,7 +22,8 @@ import torchloom as tl
 from torchloom import schedules
 from torchloom.core.errors import BuildError
 from torchloom.ops.qkv import make_fused_qkv_bert_self_attention
-from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.runtime.gather import CheckpointMismatchError
+from torchloom.runtime.state import CheckpointIOError
 from torchloom.runtime.weights import load_weights, model_keys
 
 SEED = 3

@@ -20,7 +20,8 @@ from .graph import tracing
 from .runtime import parallel, pipeline
 
 models = schedules  # the package's name before 0.2: tl.models.apply_schedule still works
-from .runtime.build import build, init_empty_weights
+from .runtime.build import build
+from .runtime.materialise import init_empty_weights
 from .tools.check import CheckReport, Finding, check
 from .core.errors import (
     AnnotateError,
@@ -49,16 +50,14 @@ from .runtime import state
 from .runtime.state import (
     Checkpoint,
     CheckpointIOError,
-    CheckpointMismatchError,
     CollectiveTimeoutError,
     find_checkpoint,
-    full_optimizer_state_dict,
-    full_state_dict,
-    init_distributed,
     list_checkpoints,
     load,
     save,
 )
+from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
+from .runtime.process_group import init_distributed
 from .tools.verify import VerificationError, Verify
 from .core.errors import PretrainedError
 from .runtime.pretrained import save_pretrained

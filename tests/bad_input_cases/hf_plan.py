@@ -159,7 +159,7 @@ def derived_schedule_unknown_knob():
     schedules.apply_schedule(sch, tp=True, fused=True)
 
 
-_WHERE = r"sch\['{path}'\]\.models\.from_hf_plan\(\.\.\.\): "
+_WHERE = r"sch\['{path}'\]\.schedules\.from_hf_plan\(\.\.\.\): "
 
 CASES: list[tuple[Callable, type, str]] = [
     (plan_absent, PlanError,

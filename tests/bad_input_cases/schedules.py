@@ -122,7 +122,7 @@ _FEATURES = r"an equal share of the (MLP's|feed-forward) features"
 
 CASES: list[tuple[Callable, type, str]] = [
     (schedule_unknown_knob, tl.ScheduleError,
-     r"sch\[''\]\.models\.apply_schedule\(\.\.\.\): unknown knob 'ckpt' for the built-in "
+     r"sch\[''\]\.schedules\.apply_schedule\(\.\.\.\): unknown knob 'ckpt' for the built-in "
      r"schedule of GPT2LMHeadModel.*knobs=\['tp', 'sequence_parallel', 'ckpt_ratio', "
      r"'attention', 'fused', 'compile'\].*fix: apply_schedule\(sch, ckpt_ratio=0\.5\)"),
     (schedule_unknown_knob_without_a_near_name, tl.ScheduleError,

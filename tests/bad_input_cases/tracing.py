@@ -10,7 +10,7 @@ from torch import nn
 
 import torchloom as tl
 from torchloom.core.errors import BuildError, CheckpointError, TraceError, TraceGuardError
-from torchloom.runtime.pipeline import split_stages
+from torchloom.runtime.pipeline_split import split_stages
 
 
 def _gpt2() -> transformers.GPT2LMHeadModel:

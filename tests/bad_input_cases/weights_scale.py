@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 import torchloom as tl
 from torchloom.core.errors import BuildError
-from torchloom.runtime.state import CheckpointIOError, CheckpointMismatchError
+from torchloom.runtime.gather import CheckpointMismatchError
+from torchloom.runtime.state import CheckpointIOError
 
 
 def _linear() -> tl.Schedule:

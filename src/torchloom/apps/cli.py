@@ -236,7 +236,7 @@ def _shape_text(config: Any) -> str:
 def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
     """The model ``torchloom show`` draws (a folder or config on ``meta``), a sentence
     stating what it is and how large, and its layer lists."""
-    from ..runtime.build import init_empty_weights
+    from ..runtime.materialise import init_empty_weights
     from .jobconfig import model_kind
     from .train import TrainConfig, count_parameters, layer_lists, meta_model
 
@@ -394,7 +394,7 @@ def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
 
 def _start_group(device: str, timeout: float) -> None:
     """The process group of a torchrun launch: NCCL for --device cuda, gloo for cpu."""
-    from ..runtime.state import init_distributed
+    from ..runtime.process_group import init_distributed
 
     if not torch.distributed.is_initialized():
         init_distributed("nccl" if device == "cuda" else "gloo", timeout)

@@ -142,7 +142,7 @@ def schedule_text(layout: Layout) -> str:
         knobs.append("sequence_parallel=True")
     if layout.ckpt_ratio:
         knobs.append(f"ckpt_ratio={layout.ckpt_ratio:g}")
-    lines = [f"models.apply_schedule(sch{''.join(', ' + k for k in knobs)})"]
+    lines = [f"schedules.apply_schedule(sch{''.join(', ' + k for k in knobs)})"]
     if layout.pp > 1:
         lines.append(f"# cut {layout.pp - 1} stage(s) after trace_until, then")
         lines.append(f"tl.build(sch, target='pipeline', schedule={layout.pipeline_schedule!r}, "

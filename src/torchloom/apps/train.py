@@ -73,7 +73,8 @@ from . import data
 from .. import schedules
 from ..schedules import zoo
 from ..core.outputs import no_cache_kwargs
-from ..runtime.build import build, init_empty_weights
+from ..runtime.build import build
+from ..runtime.materialise import init_empty_weights
 from ..runtime.collectives import guard_collective
 from ..core.errors import ScheduleError
 from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
@@ -309,12 +310,8 @@ def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
     layers."""
     ckpt_ratio = cfg.ckpt_ratio if cfg.pp == 1 else 0.0
     if _has_builtin_schedule(sch.mod):
-        knobs: dict[str, Any] = {"tp": cfg.tp > 1}
-        if cfg.sequence_parallel:
-            knobs["sequence_parallel"] = True
-        if ckpt_ratio:
-            knobs["ckpt_ratio"] = ckpt_ratio
-        schedules.apply_schedule(sch, **knobs)
+        schedules.apply_schedule(sch, schedules.ScheduleConfig(
+            tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, ckpt_ratio=ckpt_ratio))
     elif ckpt_ratio:
         for path in layer_lists(sch.mod):
             sch[path].checkpoint(ratio=ckpt_ratio)
@@ -655,7 +652,7 @@ def _flops_per_token(cfg: TrainConfig) -> float | None:
     cannot be counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..graph.tracing import _tensors_on_meta, fake_values, value_mode
+    from ..graph.fake import _tensors_on_meta, fake_values, value_mode
 
     try:
         model = meta_model(cfg)

@@ -66,7 +66,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import PatternError, TraceError
-from .tracing import TRACE_LOCK, is_guard, is_leaf, is_traced
+from .graph_module import is_leaf, is_traced
+from .guards import is_guard
+from .tracer import TRACE_LOCK
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -254,7 +256,7 @@ class _Compiled:
 class _PatternTracer(fx.Tracer):
     """Traces a pattern. fx patches ``nn.Module.__call__`` process-wide while it traces, so
     module calls made meanwhile by other threads are passed through untouched (and the trace
-    itself holds :data:`torchloom.graph.tracing.TRACE_LOCK`)."""
+    itself holds :data:`torchloom.graph.tracer.TRACE_LOCK`)."""
 
     def __init__(self) -> None:
         super().__init__()

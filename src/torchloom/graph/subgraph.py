@@ -22,7 +22,7 @@ from torch import nn
 from ..core.errors import PatternError, ScheduleError
 from ..core.marks import LEAF, set_mark
 from .pattern import Match, find
-from .tracing import clean_graph
+from .passes import clean_graph
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..schedules import zoo
-from ..runtime.build import init_empty_weights
+from ..runtime.materialise import init_empty_weights
 from ..core.errors import PlanError
 
 __all__ = ["ModelSpec", "model_spec", "DTYPES"]

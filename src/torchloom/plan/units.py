@@ -581,7 +581,7 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..runtime.parallel import init_mesh
-    from ..runtime.pipeline import split_stages
+    from ..runtime.pipeline_split import split_stages
     from ..core.schedule import create_schedule
 
     with fake_world(key.tp):

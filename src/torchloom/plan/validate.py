@@ -59,7 +59,8 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts`` and ``step_s`` (the timed steps)."""
     from .. import schedules
-    from ..runtime.build import build, init_empty_weights
+    from ..runtime.build import build
+    from ..runtime.materialise import init_empty_weights
     from ..runtime.parallel import init_mesh
     from ..core.schedule import create_schedule
 

@@ -96,7 +96,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from ..core.marks import CHECKPOINTED, has_mark, set_mark
 from ..core.errors import CheckpointError
 from ..runtime.rng import get_rng_tracker
-from ..graph.tracing import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
+from ..graph.guards import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
 from ..graph.subgraph import GraphHolder, extract, resolve, splice
 from ._common import ForwardWrapper
 from ..core.registry import primitive

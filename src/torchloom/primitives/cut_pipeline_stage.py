@@ -21,7 +21,7 @@ Before / after:
 >>> sch = tl.create_schedule(model)
 >>> sch.trace(example_inputs=(torch.randn(1, 2),))
 >>> sch["1"].cut_pipeline_stage()
->>> from torchloom.runtime.pipeline import cut_paths
+>>> from torchloom.runtime.pipeline_split import cut_paths
 >>> cut_paths(sch)
 ['1']
 """
@@ -34,7 +34,7 @@ from torch import nn
 
 from ..core.errors import ScheduleError
 from ..core.marks import PIPELINE_CUT, has_mark, set_mark
-from ..graph.tracing import is_traced
+from ..graph.graph_module import is_traced
 from ..core.registry import primitive
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ Before / after:
 >>> torch.allclose(model(x), expected)
 True
 >>> sch.trace(flatten=True, example_inputs=(x,))
->>> from torchloom.graph.tracing import is_guard
+>>> from torchloom.graph.guards import is_guard
 >>> [n.target.__name__ for n in sch.mod.graph.nodes
 ...  if n.op == "call_function" and not is_guard(n)]
 ['linear', 'add']

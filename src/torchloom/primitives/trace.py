@@ -59,7 +59,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.errors import TraceError
-from ..graph.tracing import TRACERS, example_inputs_for, trace_module
+from ..graph.examples import example_inputs_for
+from ..graph.tracing import TRACERS, trace_module
 from ..core.registry import primitive
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ Before / after:
 >>> sch.trace_until("0.0", example_inputs=(torch.randn(1, 2),))
 >>> [type(m).__name__ for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
 ['Sequential', 'Sequential', 'Sequential', 'Sequential']
->>> from torchloom.graph.tracing import is_traced
+>>> from torchloom.graph.graph_module import is_traced
 >>> [is_traced(m) for m in (sch.mod, sch["0"].mod, sch["0.0"].mod, sch["1"].mod)]
 [True, True, True, False]
 """
@@ -37,7 +37,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.errors import TraceError
-from ..graph.tracing import _is_container, example_inputs_for, is_traced, trace_module
+from ..graph.examples import example_inputs_for
+from ..graph.graph_module import _is_container, is_traced
+from ..graph.tracing import trace_module
 from .trace import check_options, install_traced
 from ..core.registry import primitive
 

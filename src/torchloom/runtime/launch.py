@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..core.errors import CollectiveTimeoutError, RankFailedError, ScheduleError
+from .process_group import init_distributed
 
 __all__ = ["run_ranks", "under_torchrun", "init_group", "failures", "raise_first_failure",
            "DEFAULT_TIMEOUT_S", "GRACE_S"]
@@ -96,14 +97,14 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init_group(timeout_s: float = DEFAULT_TIMEOUT_S,
+               device: str | torch.device = "cpu") -> None:
     """Initialise the default process group from the environment (torchrun), with a
     timeout so a dead rank stops the others instead of hanging for gloo's 30 minutes;
-    a no-op when a group exists. NCCL when CUDA is present, gloo otherwise."""
+    a no-op when a group exists. The backend follows ``device``, where the ranks' tensors
+    live: NCCL for CUDA, gloo for CPU (:func:`~torchloom.runtime.process_group.backend_for`)."""
     if not dist.is_initialized():
-        from .state import init_distributed
-
-        init_distributed("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
+        init_distributed(timeout_s=timeout_s, device=device)
 
 
 def free_port() -> int:
@@ -176,8 +177,7 @@ def _join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None
     if store.add("torchloom/arrived", 1) == world_size:
         store.set("torchloom/go", "1")
     store.wait(["torchloom/go"])
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    init_distributed(timeout_s=timeout_s, store=store, rank=rank, world_size=world_size)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any],

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..core.errors import BuildError
 from ..core.meta import copy_meta
+from .process_group import device_type_of
 
 __all__ = ["MESH_DIMS", "init_mesh", "wrap_data_parallel", "DP_TARGETS"]
 
@@ -47,6 +48,8 @@ def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, device_type: str | None = N
 
     Ranks are laid out tp-fastest: ranks ``0..tp-1`` form the first tensor-parallel group,
     so tensor parallelism, the most communication-heavy, stays on neighbouring ranks.
+    ``device_type`` None: the device of the group's backend (``"cuda"`` for NCCL, else
+    ``"cpu"``; :func:`~torchloom.runtime.process_group.device_type_of`).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -66,11 +69,8 @@ def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, device_type: str | None = N
             f"tp={tp}, pp={pp})" if world % (tp * pp) == 0 else
             f"choose sizes whose product is {world}",
         )
-    if device_type is None:
-        import torch
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type or device_type_of(), (pp, dp, tp),
+                            mesh_dim_names=MESH_DIMS)
 
 
 def _dp_mesh(mesh: Any) -> Any:

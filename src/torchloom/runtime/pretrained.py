@@ -139,7 +139,7 @@ def _original_class(model: nn.Module) -> type:
     """The user's class of ``model``, under torchloom's traced classes and FSDP2's."""
     import torch.fx as fx
 
-    from ..graph.tracing import TracedGraphModule
+    from ..graph.graph_module import TracedGraphModule
 
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -232,7 +232,7 @@ def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
 
 def _full(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> torch.Tensor:
     """The full tensor: FSDP2 shards gathered, then tensor-parallel pieces (collectives)."""
-    from .state import guard_collective
+    from .collectives import guard_collective
 
     with torch.no_grad():
         local = tensor.detach()
@@ -391,7 +391,7 @@ def _dtype(name: str) -> torch.dtype:
 def _exchange(payload: Any, primitive: str) -> list[Any]:
     if _world() == 1:
         return [payload]
-    from .state import guard_collective
+    from .collectives import guard_collective
 
     out: list[Any] = [None] * _world()
     with guard_collective("all_gather_object", primitive):
@@ -496,7 +496,7 @@ def _fetch(plan: _Plan, local: dict[str, _Entry], key: str, to: int | None) -> t
     src = plan.source(key)
     if _world() == 1:
         return value
-    from .state import guard_collective
+    from .collectives import guard_collective
 
     if to is None:
         if len(plan.holders[key]) == _world():  # every rank has it already
@@ -758,7 +758,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     info = describe_model(model)
     failure = _write_folder(plan, local, info, path, tmp or "", max_bytes)
     if _world() > 1:
-        from .state import guard_collective
+        from .collectives import guard_collective
 
         box: list[Any] = [failure]
         with guard_collective("broadcast_object_list", primitive):

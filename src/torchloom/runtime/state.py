@@ -1,14 +1,11 @@
-"""State dicts and checkpoints of scheduled (tensor-parallel) models.
+"""Checkpoints of scheduled (tensor-parallel) models (``torchloom.state``).
 
-* :func:`full_state_dict` gathers every sharded tensor back to the original model's keys,
-  key order and full shapes, so the result loads with ``load_state_dict(strict=True)``
-  into a fresh copy of the unscheduled model.
-* :func:`save` / :func:`load` write and read checkpoints with
-  ``torch.distributed.checkpoint`` (DCP). The checkpoint holds *full-shape logical
-  tensors*: a checkpoint written at tensor-parallel degree 2 loads at 1, 2 or 4.
-* :func:`init_distributed` starts a process group with a short timeout, so a rank that
-  dies or hangs makes the others fail with a :class:`CollectiveTimeoutError` instead of
-  waiting for gloo's default 30 minutes.
+:func:`save` / :func:`load` write and read checkpoints with ``torch.distributed.checkpoint``
+(DCP). The checkpoint holds *full-shape logical tensors*: a checkpoint written at
+tensor-parallel degree 2 loads at 1, 2 or 4. ``torchloom.state`` also holds
+:func:`full_state_dict` / :func:`full_optimizer_state_dict` (defined in
+:mod:`torchloom.runtime.gather`) and :func:`init_distributed` (in
+:mod:`torchloom.runtime.process_group`).
 
 Design of the checkpoint (pieces of full-shape tensors, through DCP's planners):
     A sharded tensor is handed to DCP as this rank's *pieces* of one logical tensor of the
@@ -85,14 +82,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -103,8 +98,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import ScheduleError
+# Defined elsewhere, importable here (torchloom.state): CollectiveTimeoutError,
+# guard_collective (the sync hooks' collectives use it too), the process group and the
+# full state dicts.
+from ..core.errors import CollectiveTimeoutError, ScheduleError
 from ..core.meta import ShardSpec, shard_spec
+from .collectives import guard_collective
+from .gather import (
+    CheckpointMismatchError,
+    _check_spec,
+    _optimizer_params,
+    full_optimizer_state_dict,
+    full_state_dict,
+)
+from .process_group import _rank, _size, init_distributed
 
 __all__ = [
     "Checkpoint",
@@ -135,203 +142,12 @@ class CheckpointIOError(ScheduleError):
     """A checkpoint directory is missing, incomplete (an interrupted save) or unreadable."""
 
 
-class CheckpointMismatchError(ScheduleError):
-    """A checkpoint does not fit this model / optimizer / world size."""
-
-
-# --------------------------------------------------------------------------- process groups
-
-# CollectiveTimeoutError lives in torchloom.core.errors and guard_collective in
-# torchloom.runtime.collectives (the sync hooks' collectives use it too); both stay importable here.
-from .collectives import guard_collective
-from ..core.errors import CollectiveTimeoutError
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence DCP's notice 'saving in a single process', which does not concern the user."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
         yield
-
-
-def _size(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _rank(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
-
-
-def init_distributed(backend: str = "gloo", timeout_s: float = 60.0, *,
-                     init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None) -> tuple[int, int]:
-    """Start the default process group with a short timeout; returns ``(rank, world_size)``.
-
-    A collective that a dead or hung rank never joins then fails after ``timeout_s``
-    seconds (gloo's default is 30 minutes); torchloom's state functions wrap such
-    failures in :class:`CollectiveTimeoutError` (see :func:`guard_collective`). Without
-    ``init_method`` the ``env://`` variables of ``torchrun`` are used. It raises if a
-    default group already exists (its timeout could not be applied).
-
-    >>> init_distributed(init_method="tcp://127.0.0.1:0", rank=0, world_size=1, timeout_s=5)
-    (0, 1)
-    >>> dist.destroy_process_group()
-    """
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ScheduleError(
-            f"timeout_s must be a positive number of seconds, not {timeout_s!r}",
-            primitive="init_distributed", values={"timeout_s": timeout_s},
-            fix="init_distributed(timeout_s=60)")
-    if dist.is_initialized():
-        raise ScheduleError(
-            "the default process group is already initialised; its timeout cannot be set now",
-            primitive="init_distributed",
-            values={"timeout_s": timeout_s, "world_size": dist.get_world_size()},
-            fix="call init_distributed(...) instead of the first init_process_group(...), or "
-            "pass timeout=datetime.timedelta(seconds=...) to that call")
-    kwargs: dict[str, Any] = {}
-    if rank is not None:
-        kwargs["rank"] = rank
-    if world_size is not None:
-        kwargs["world_size"] = world_size
-    dist.init_process_group(backend, init_method=init_method,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    return dist.get_rank(), dist.get_world_size()
-
-
-# --------------------------------------------------------------------------- full state dict
-
-
-def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
-    size, rank = _size(group), _rank(group)
-    if spec.world_size != size or spec.rank != rank:
-        raise CheckpointMismatchError(
-            f"{key!r} was sharded for rank {spec.rank} of {spec.world_size}, but this is "
-            f"rank {rank} of a group of {size}",
-            primitive=primitive,
-            values={"key": key, "spec_world_size": spec.world_size, "spec_rank": spec.rank,
-                    "group_size": size, "group_rank": rank},
-            fix="call it on every rank of the group the model was scheduled with: "
-            f"{primitive}(model, ..., group=sch.group)",
-        )
-    full = spec.full_shape[spec.axis]
-    if full % (spec.pieces * spec.chunks) != 0:
-        raise CheckpointMismatchError(
-            f"axis {spec.axis} of {key!r} (size {full}) does not split into {spec.chunks} "
-            f"block(s) of {spec.pieces} equal pieces",
-            primitive=primitive,
-            values={"key": key, "full_shape": spec.full_shape, "axis": spec.axis,
-                    "chunks": spec.chunks, "world_size": spec.world_size},
-            fix=f"use a world size that divides {full // spec.chunks}",
-        )
-
-
-def _gather(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
-            primitive: str) -> torch.Tensor:
-    _check_spec(key, spec, group, primitive)
-    local = tensor.detach()
-    if spec.world_size == 1:
-        return spec.gather([local])
-    local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(spec.world_size)]
-    with guard_collective("all_gather", primitive, group):
-        dist.all_gather(parts, local, group=group)
-    return spec.gather(parts)
-
-
-def full_state_dict(model: nn.Module, group: Any = None) -> dict[str, torch.Tensor]:
-    """The state dict of the original (unscheduled) model: every sharded tensor gathered to
-    its full shape under the original key, in the original key order.
-
-    A collective: every rank of ``group`` calls it and gets the whole result. Unsharded
-    tensors are returned detached, as ``state_dict()`` returns them; tied weights appear
-    under each of their keys (gathered once). The result loads with
-    ``load_state_dict(strict=True)`` into a fresh copy of the original model. The keys are
-    those of the scheduled model's ``state_dict()``, which are the original's as long as
-    every ``replace`` keeps the parameter names (a module swapped for one with other
-    parameter names changes them). Cost: one ``all_gather`` per sharded tensor; every rank
-    ends up holding the full model.
-
-    >>> import torch, torchloom as tl
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6))
-    >>> sch = tl.create_schedule(model)
-    >>> sch["0"].shard("weight", 0)
-    >>> sd = full_state_dict(model)
-    >>> list(sd), tuple(sd["0.weight"].shape)
-    (['0.weight', '0.bias'], (6, 4))
-    """
-    from .pipeline import PipelineModel
-
-    if isinstance(model, PipelineModel):  # gathered over the pipeline ranks too
-        return model.full_state_dict(group)
-    out: dict[str, torch.Tensor] = {}
-    gathered: dict[int, torch.Tensor] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        spec = shard_spec(tensor)
-        if spec is None:
-            out[key] = tensor.detach()
-            continue
-        if id(tensor) not in gathered:
-            gathered[id(tensor)] = _gather(key, tensor, spec, group, "full_state_dict")
-        out[key] = gathered[id(tensor)]
-    return out
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    """The first name of every parameter (tied parameters once)."""
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      primitive: str) -> list[list[tuple[str, torch.Tensor]]]:
-    names = _param_names(model)
-    groups = []
-    for g, group in enumerate(optimizer.param_groups):
-        entries = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise CheckpointMismatchError(
-                    f"param_groups[{g}] of the optimizer holds a parameter of shape "
-                    f"{tuple(p.shape)} that is not a parameter of the model",
-                    primitive=primitive,
-                    values={"group": g, "shape": tuple(p.shape)},
-                    fix="make the optimizer from this model's parameters after build: "
-                    "model, optimizer = tl.build(sch, optimizer=lambda ps: AdamW(ps))",
-                )
-            entries.append((names[id(p)], p))
-        groups.append(entries)
-    return groups
-
-
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                              group: Any = None) -> dict[str, dict[str, Any]]:
-    """The optimizer state by parameter name, with the state of sharded parameters gathered
-    to full shape (a collective, like :func:`full_state_dict`).
-
-    >>> import torch
-    >>> m = torch.nn.Linear(2, 1, bias=False)
-    >>> opt = torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.5)
-    >>> m(torch.ones(1, 2)).sum().backward(); opt.step()
-    >>> full_optimizer_state_dict(m, opt)["weight"]["momentum_buffer"].tolist()
-    [[1.0, 1.0]]
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for entries in _optimizer_params(model, optimizer, "full_optimizer_state_dict"):
-        for name, p in entries:
-            spec = shard_spec(p)
-            state = {}
-            for key, value in optimizer.state.get(p, {}).items():
-                if spec is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = _gather(f"{name}.{key}", value, spec, group,
-                                    "full_optimizer_state_dict")
-                state[key] = value
-            out[name] = state
-    return out
 
 
 # --------------------------------------------------------------------------- DCP helpers

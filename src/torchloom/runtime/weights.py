@@ -69,7 +69,8 @@ from torch import nn
 
 from ..core.meta import ShardSpec, shard_spec
 from . import state as _state
-from .state import CheckpointIOError, CheckpointMismatchError
+from .gather import CheckpointMismatchError
+from .state import CheckpointIOError
 
 __all__ = [
     "WeightsSource",
@@ -779,7 +780,7 @@ def load_weights(module: nn.Module, path: str | os.PathLike, *, prefix: str = ""
     ``module``). This is how a pipeline build can load one stage:
     ``load_weights(stage_module, path, prefix="transformer.h.2", root=model)``.
     """
-    from .build import _param_like
+    from .materialise import _param_like
 
     primitive = "load_weights"
     dev = torch.device(device)

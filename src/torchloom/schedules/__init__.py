@@ -55,7 +55,8 @@ from typing import Any, Callable
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
-from ._common import check_compile, check_knobs
+from ._common import check_knobs
+from .config import ScheduleConfig, ScheduleConfigError
 from .bert import schedule_bert
 from .gpt2 import schedule_gpt2
 from .hf_plan import from_hf_plan, has_tp_plan, schedule_hf_plan
@@ -64,8 +65,8 @@ from .opt import schedule_opt
 from .t5 import schedule_t5
 from .vit import schedule_vit
 
-__all__ = ["apply_schedule", "schedule_for", "supported", "register_schedule", "from_hf_plan",
-           "schedule_hf_plan"]
+__all__ = ["ScheduleConfig", "apply_schedule", "schedule_for", "supported", "register_schedule",
+           "from_hf_plan", "schedule_hf_plan"]
 
 ScheduleFn = Callable[..., None]
 
@@ -86,7 +87,8 @@ _REGISTRY: dict[str, ScheduleFn] = {
 
 
 def register_schedule(model_class_name: str, fn: ScheduleFn) -> None:
-    """Add (or override) the built-in schedule of a model class."""
+    """Add (or override) the built-in schedule of a model class: ``fn(sch, config)`` with
+    a :class:`ScheduleConfig` (declare the knobs it uses with ``_common.takes``)."""
     _REGISTRY[model_class_name] = fn
 
 
@@ -107,7 +109,7 @@ def schedule_for(model: Any) -> ScheduleFn:
     raise ScheduleError(
         f"there is no built-in schedule for {type(model).__name__}, and transformers "
         "declares no tensor-parallel plan for it",
-        primitive="models.schedule_for",
+        primitive="schedules.schedule_for",
         values={"model": type(model).__name__, "supported": supported()},
         fix="write the schedule with primitives (see torchloom/models/gpt2.py for a short "
         "example), pass a plan: torchloom.schedules.hf_plan.from_hf_plan(sch, plan={...}), "
@@ -115,22 +117,21 @@ def schedule_for(model: Any) -> ScheduleFn:
     )
 
 
-def apply_schedule(sch: Schedule, **knobs: Any) -> None:
-    """Apply the built-in schedule of ``sch.mod``'s class to ``sch`` with ``knobs``.
+def apply_schedule(sch: Schedule, config: ScheduleConfig | None = None, **knobs: Any) -> None:
+    """Apply the built-in schedule of ``sch.mod``'s class to ``sch``, as ``config`` says or
+    with the knobs of a :class:`ScheduleConfig` given by keyword (``tp=True``: over the
+    schedule's group).
 
     Everything that can be checked is checked before any primitive is applied, so a
     refused call leaves the model unchanged: the knobs (a knob the schedule does not take
-    is an error listing the valid ones), and with ``tp=True`` the config sizes the
-    tensor-parallel degree must divide (attention heads, KV heads, MLP features).
+    is an error listing the valid ones), and with tensor parallelism the config sizes the
+    degree must divide (attention heads, KV heads, MLP features).
     """
     fn = schedule_for(sch.mod)
-    check_knobs(sch, fn, knobs)
-    if knobs.get("sequence_parallel") and not knobs.get("tp"):
-        raise ScheduleError(
-            "sequence parallelism splits the activations between tensor-parallel regions; "
-            "it needs tp=True",
-            path=sch.path, primitive="models.apply_schedule", values=knobs,
-            fix="apply_schedule(sch, tp=True, sequence_parallel=True)",
-        )
-    check_compile(knobs.get("compile", False), sch.path)  # before any primitive is applied
-    fn(sch, **knobs)
+    if config is not None and knobs:
+        raise ScheduleConfigError(
+            "give the knobs either as a ScheduleConfig or as keywords, not both",
+            path=sch.path, primitive="schedules.apply_schedule", values={"knobs": knobs},
+            fix=f"apply_schedule(sch, dataclasses.replace(config, **{knobs!r}))")
+    check_knobs(sch, fn, knobs if config is None else config.changed())
+    fn(sch, config if config is not None else ScheduleConfig.of(sch, **knobs))

@@ -15,18 +15,18 @@ and whose last module is row parallel (input features split, partial output):
 from __future__ import annotations
 
 import difflib
-import inspect
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
+from .config import KNOBS, ScheduleConfig, ScheduleConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm",
-           "finish_layers", "check_compile", "check_kernels", "check_knobs",
-           "check_tp_sizes", "tp_divisors", "SEQ_AXIS", "ATTENTION"]
+           "finish_layers", "check_knobs", "check_tp_sizes", "takes", "tp_divisors", "SEQ_AXIS"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
-ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
 
 
 def _is_conv1d(node: Schedule) -> bool:
@@ -84,49 +84,25 @@ def sp_final_norm(node: Schedule) -> None:
     node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
 
 
-def finish_layers(stack: Schedule, ckpt_ratio: float, compile: bool | str) -> None:
+def finish_layers(stack: Schedule, config: ScheduleConfig) -> None:
     """The last two steps of every built-in schedule, on a stack of layers (a
-    ``ModuleList``): checkpoint the first ``ckpt_ratio`` of them, then compile each layer
-    in place (``compile=True``: inductor; a string: that backend). The compiled code sits
-    inside the checkpoint, so the recompute runs the compiled layer again."""
-    check_compile(compile, stack.path)
-    if ckpt_ratio:
-        stack.checkpoint(ratio=ckpt_ratio)
-    if compile is not False:
-        stack["*"].compile("inductor" if compile is True else compile)
+    ``ModuleList``): checkpoint the first ``config.ckpt_ratio`` of them, then compile each
+    layer in place (``compile=True``: inductor; a string: that backend). The compiled code
+    sits inside the checkpoint, so the recompute runs the compiled layer again."""
+    if config.ckpt_ratio:
+        stack.checkpoint(ratio=config.ckpt_ratio)
+    if config.compile is not False:
+        stack["*"].compile("inductor" if config.compile is True else config.compile)
 
 
-def check_compile(compile: Any, path: str) -> None:
-    """Refuse a ``compile`` knob that is neither a bool nor a backend name."""
-    if not isinstance(compile, (bool, str)):
-        raise ScheduleError(
-            "compile must be True, False or a torch.compile backend name",
-            path=path, primitive="models.apply_schedule",
-            values={"compile": repr(compile)}, fix="apply_schedule(sch, compile=True)")
+def takes(*knobs: str) -> Callable[[F], F]:
+    """Declare the knobs a schedule function uses (in the order errors list them); a
+    non-default value of another knob is refused by ``apply_schedule``."""
+    def declare(fn: F) -> F:
+        fn.knobs = knobs  # type: ignore[attr-defined]
+        return fn
 
-
-def check_kernels(sch: Schedule, model: str, *, tp: bool, attention: Any,
-                  fused: Any) -> None:
-    """Refuse kernel knobs a schedule cannot honour: an unknown attention kernel, or the
-    fused blocks under tensor parallelism (they compute the projections without calling
-    the projection modules, so the sync hooks on those modules would not run)."""
-    primitive = f"models.schedule_{model}"
-    if attention not in ATTENTION:
-        raise ScheduleError(
-            f"unknown attention kernel {attention!r}", path=sch.path, primitive=primitive,
-            values={"attention": attention, "choices": list(ATTENTION)},
-            fix="attention='sdpa' (torchloom.ops) or attention='model' (keep the model's)")
-    if not isinstance(fused, bool):
-        raise ScheduleError("fused must be True or False", path=sch.path,
-                            primitive=primitive, values={"fused": repr(fused)},
-                            fix="apply_schedule(sch, fused=True)")
-    if fused and tp:
-        raise ScheduleError(
-            "the fused blocks compute their projections without calling the projection "
-            "modules, so tensor parallelism's sync hooks on those modules would not run",
-            path=sch.path, primitive=primitive, values={"fused": True, "tp": True},
-            fix="apply_schedule(sch, tp=True, compile=True) fuses inside each layer and "
-            "keeps the hooks")
+    return declare
 
 
 def tp_divisors(n: int) -> list[int]:
@@ -158,7 +134,7 @@ def check_tp_sizes(sch: Schedule, model: str, sizes: list[tuple[str, int, str, s
         raise ScheduleError(
             f"tensor parallelism gives each of the {world} ranks {what}, and {field}="
             f"{value} does not divide by {world}",
-            path=path, primitive=f"models.schedule_{model}",
+            path=path, primitive=f"schedules.schedule_{model}",
             values={field: value, "tp_degree": world},
             fix=f"use a tensor-parallel group whose size divides {value} (one of "
             f"{tp_divisors(value)}), or a config with {field} a multiple of {world}, e.g. "
@@ -167,13 +143,9 @@ def check_tp_sizes(sch: Schedule, model: str, sizes: list[tuple[str, int, str, s
 
 
 def check_knobs(sch: Schedule, fn: Callable[..., Any], knobs: dict[str, Any]) -> None:
-    """Refuse knobs that the schedule function ``fn`` does not take (a schedule that takes
-    ``**kwargs`` accepts everything), listing the valid ones."""
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-             and p.name != "sch"]
+    """Refuse knobs that the schedule function ``fn`` does not use (its ``takes``; a
+    function without that declaration accepts every knob), listing the valid ones."""
+    valid = list(getattr(fn, "knobs", KNOBS))
     unknown = [k for k in knobs if k not in valid]
     if not unknown:
         return
@@ -183,9 +155,9 @@ def check_knobs(sch: Schedule, fn: Callable[..., Any], knobs: dict[str, Any]) ->
         fix = f"apply_schedule(sch, {close[0]}={knobs[first]!r})"
     else:
         fix = f"drop {first!r}; the knobs of this schedule are {', '.join(valid)}"
-    raise ScheduleError(
+    raise ScheduleConfigError(
         f"unknown knob{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
         f"the built-in schedule of {type(sch.mod).__name__}",
-        path=sch.path, primitive="models.apply_schedule",
+        path=sch.path, primitive="schedules.apply_schedule",
         values={"unknown": unknown, "knobs": valid}, fix=fix,
     )

@@ -7,37 +7,37 @@ from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
 from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
-    check_kernels,
     check_tp_sizes,
     column,
     finish_layers,
+    takes,
     row,
     sp_norms,
 )
+from .config import ScheduleConfig
 
 __all__ = ["schedule_bert"]
 
 
-def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                  ckpt_ratio: float = 0.0, attention: str = "model", fused: bool = False,
-                  compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "attention", "fused", "compile")
+def schedule_bert(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Kernels (``attention="sdpa"``: :class:`torchloom.ops.SDPABertSelfAttention`;
     ``fused``: bias+GeLU and bias+dropout+residual+LayerNorm fused), Megatron TP (and SP)
     over self-attention and the feed-forward block, checkpoint the first ``ckpt_ratio`` of
     the layers, then compile each layer (``compile``)."""
     base = "bert.encoder" if "bert" in sch.child else "encoder"
     layers = sch[f"{base}.layer"]
-    check_kernels(sch, "bert", tp=tp, attention=attention, fused=fused)
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     if tp:  # before any primitive: a refusal changes nothing
-        config = sch.mod.config
+        hf_config = sch.mod.config
         check_tp_sizes(sch, "bert", [
-            ("num_attention_heads", config.num_attention_heads,
+            ("num_attention_heads", hf_config.num_attention_heads,
              f"{base}.layer.*.attention.self", "whole attention heads"),
-            ("intermediate_size", config.intermediate_size, f"{base}.layer.*.intermediate",
+            ("intermediate_size", hf_config.intermediate_size, f"{base}.layer.*.intermediate",
              "an equal share of the feed-forward features")])
-    if attention == "sdpa":
+    if config.attention == "sdpa":
         sch[f"{base}.layer.*.attention.self"].replace(make_sdpa_bert_self_attention)
-    if fused:
+    if config.fused:
         sch[f"{base}.layer.*.intermediate"].replace(make_fused_bert_intermediate)
         sch[f"{base}.layer.*.output"].replace(make_fused_bert_output)
         sch[f"{base}.layer.*.attention.output"].replace(make_fused_bert_output)
@@ -66,7 +66,7 @@ def schedule_bert(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
             first, last = layers["0"], layers[str(len(layers.child) - 1)]
             first.sync("fwd_pre", "scatter", axis=SEQ_AXIS)
             last.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
-    finish_layers(layers, ckpt_ratio, compile)
+    finish_layers(layers, config)
 
 
 

@@ -9,13 +9,14 @@ from ..ops.fused import make_fused_gpt2_mlp
 from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
-    check_kernels,
     check_tp_sizes,
     finish_layers,
     region,
     sp_final_norm,
     sp_norms,
+    takes,
 )
+from .config import ScheduleConfig
 
 __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 
@@ -27,25 +28,24 @@ def split_qkv_per_rank(old: nn.Module) -> nn.Module:
     return old
 
 
-def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                  ckpt_ratio: float = 0.0, attention: str = "model", fused: bool = False,
-                  compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "attention", "fused", "compile")
+def schedule_gpt2(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Kernels (``attention="sdpa"``: :class:`torchloom.ops.SDPAGPT2Attention`;
     ``fused``: the MLP's bias+GeLU and bias+dropout fused), Megatron TP (and SP) over
     attention and MLP, checkpoint the first ``ckpt_ratio`` of the blocks, then compile each
     block (``compile``)."""
     base = "transformer." if "transformer" in sch.child else ""
-    check_kernels(sch, "gpt2", tp=tp, attention=attention, fused=fused)
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     if tp:  # before any primitive: a refusal changes nothing
-        config = sch.mod.config
-        sizes = [("n_head", config.n_head, f"{base}h.*.attn", "whole attention heads")]
-        if config.n_inner is not None:  # None: 4 * n_embd, which the heads check covers
-            sizes.append(("n_inner", config.n_inner, f"{base}h.*.mlp",
+        hf_config = sch.mod.config
+        sizes = [("n_head", hf_config.n_head, f"{base}h.*.attn", "whole attention heads")]
+        if hf_config.n_inner is not None:  # None: 4 * n_embd, which the heads check covers
+            sizes.append(("n_inner", hf_config.n_inner, f"{base}h.*.mlp",
                           "an equal share of the MLP's features"))
         check_tp_sizes(sch, "gpt2", sizes)
-    if attention == "sdpa":
+    if config.attention == "sdpa":
         sch[f"{base}h.*.attn"].replace(make_sdpa_gpt2_attention)
-    if fused:
+    if config.fused:
         sch[f"{base}h.*.mlp"].replace(make_fused_gpt2_mlp)
     if tp:
         for block in sch[f"{base}h.*"]:
@@ -57,4 +57,4 @@ def schedule_gpt2(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = 
         if sequence_parallel:
             sch[f"{base}drop"].sync("fwd_post", "scatter", axis=SEQ_AXIS)
             sp_final_norm(sch[f"{base}ln_f"])
-    finish_layers(sch[f"{base}h"], ckpt_ratio, compile)
+    finish_layers(sch[f"{base}h"], config)

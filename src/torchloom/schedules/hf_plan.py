@@ -129,7 +129,8 @@ from ..core.meta import get_meta, shard_spec
 from ..primitives._common import tied_names
 from ..core.marks import transfer_hooks
 from ..core.schedule import Schedule
-from ._common import SEQ_AXIS, check_compile, finish_layers, tp_divisors
+from ._common import SEQ_AXIS, finish_layers, takes, tp_divisors
+from .config import ScheduleConfig
 from .llama import GradSum, replicate_kv_heads
 
 __all__ = ["PlanError", "PlanEntry", "MlaKvAProjection", "SUPPORTED_STYLES",
@@ -138,7 +139,7 @@ __all__ = ["PlanError", "PlanEntry", "MlaKvAProjection", "SUPPORTED_STYLES",
            "vocab_rows_masked", "localise_padding_idx", "whole_sizes",
            "make_mla_kv_a_projection"]
 
-PRIMITIVE = "models.from_hf_plan"
+PRIMITIVE = "schedules.from_hf_plan"
 
 COLUMN = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
 GATHERED = ("colwise_gather_output", "colwise_rep")
@@ -1073,7 +1074,7 @@ def _check_knob_types(sch: Schedule, tp: Any, sequence_parallel: Any, ckpt_ratio
         raise PlanError("ckpt_ratio must be a number in [0, 1]", path=sch.path,
                         primitive=PRIMITIVE, values={"ckpt_ratio": repr(ckpt_ratio)},
                         fix="from_hf_plan(sch, ckpt_ratio=0.5)")
-    check_compile(compile, sch.path)
+    ScheduleConfig(compile=compile)  # refuses a value that is neither a bool nor a backend
     if plan is not None and not (isinstance(plan, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in plan.items())):
         raise PlanError("plan must map module or parameter paths (with * for a layer "
@@ -1187,14 +1188,14 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
         for cut in cuts:
             sch[cut].cut_pipeline_stage()
     for stack in stacks:
-        finish_layers(sch[stack], ckpt_ratio, compile)
+        finish_layers(sch[stack], ScheduleConfig(ckpt_ratio=ckpt_ratio, compile=compile))
 
 
-def schedule_hf_plan(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                     ckpt_ratio: float = 0.0, compile: bool | str = False,
-                     vocab_parallel: bool = True) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile", "vocab_parallel")
+def schedule_hf_plan(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """The built-in schedule of a model class with no hand-written one and a transformers
     tensor-parallel plan: :func:`from_hf_plan` with the knobs of every built-in schedule
     (``tp`` off unless asked, as in the others)."""
-    from_hf_plan(sch, tp=tp, sequence_parallel=sequence_parallel, ckpt_ratio=ckpt_ratio,
-                 compile=compile, vocab_parallel=vocab_parallel)
+    from_hf_plan(sch, tp=config.tp_over(sch), sequence_parallel=config.sequence_parallel,
+                 ckpt_ratio=config.ckpt_ratio, compile=config.compile,
+                 vocab_parallel=config.vocab_parallel)

@@ -41,7 +41,7 @@ checked before any primitive is applied.
 >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
 ...     num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
 >>> sch = tl.create_schedule(transformers.LlamaForCausalLM(config))
->>> schedule_llama(sch, tp=True)  # a world of one: shards and syncs are recorded
+>>> schedule_llama(sch, ScheduleConfig(tp=2))  # a world of one: the primitives are recorded
 >>> sch.recipe[1].call_text()
 "sch['model.layers.0.self_attn.k_proj'].shard('weight', 0)"
 """
@@ -63,6 +63,7 @@ from ._common import (
     check_tp_sizes,
     column,
     finish_layers,
+    takes,
     region,
     region_syncs,
     row,
@@ -70,6 +71,7 @@ from ._common import (
     sp_norms,
     tp_divisors,
 )
+from .config import ScheduleConfig
 
 __all__ = ["schedule_llama", "replicate_kv_heads", "ReplicatedKVProjection", "GradSum",
            "kv_replicas"]
@@ -160,19 +162,19 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
         raise ScheduleError(
             "replicate_kv_heads takes the rank's query heads from q_proj's shard, but "
             "q_proj is not sharded along its output features",
-            path=None, primitive="models.llama.replicate_kv_heads",
+            path=None, primitive="schedules.llama.replicate_kv_heads",
             values={"module": path, "q_proj_spec": repr(q)},
             fix="shard q_proj first: sch['...self_attn.q_proj'].shard('weight', 0); or let "
-            "the built-in schedule do it: models.apply_schedule(sch, tp=True)",
+            "the built-in schedule do it: schedules.apply_schedule(sch, tp=True)",
         )
     for name in ("k_proj", "v_proj"):
         if shard_spec(getattr(old, name).weight) is not None:
             raise ScheduleError(
                 f"{name} is already sharded; replicate_kv_heads slices the whole projection",
-                path=None, primitive="models.llama.replicate_kv_heads",
+                path=None, primitive="schedules.llama.replicate_kv_heads",
                 values={"module": path, name: repr(shard_spec(getattr(old, name).weight))},
                 fix="apply replicate_kv_heads to the attention instead of shard on "
-                f"{name} (the built-in schedule does: models.apply_schedule(sch, tp=True))",
+                f"{name} (the built-in schedule does: schedules.apply_schedule(sch, tp=True))",
             )
     tp, rank, head_dim = q.world_size, q.rank, old.head_dim
     heads, kv = q.full_shape[0] // head_dim, old.k_proj.out_features // head_dim
@@ -180,10 +182,10 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
         raise ScheduleError(
             f"replicate_kv_heads is for fewer KV heads than ranks, shared evenly: {kv} KV "
             f"head(s) at a tensor-parallel degree of {tp}",
-            path=None, primitive="models.llama.replicate_kv_heads",
+            path=None, primitive="schedules.llama.replicate_kv_heads",
             values={"num_key_value_heads": kv, "tp_degree": tp},
             fix="for num_key_value_heads divisible by the degree, shard k_proj and v_proj "
-            "like q_proj; models.apply_schedule(sch, tp=True) picks the right one",
+            "like q_proj; schedules.apply_schedule(sch, tp=True) picks the right one",
         )
     new = copy.copy(old)  # a new object, so that replace rebuilds the schedule's children
     new._modules, new._parameters, new._buffers = (
@@ -215,7 +217,7 @@ def kv_replicas(sch: Schedule) -> int:
             f"tensor parallelism gives each of the {world} ranks whole KV heads (or, with "
             "fewer KV heads than ranks, one KV head shared by an equal number of ranks), "
             f"and num_key_value_heads={kv} is neither a multiple nor a divisor of {world}",
-            path=attn, primitive="models.schedule_llama",
+            path=attn, primitive="schedules.schedule_llama",
             values={"num_key_value_heads": kv, "num_attention_heads": heads,
                     "tp_degree": world},
             fix=f"use a tensor-parallel degree that divides num_key_value_heads "
@@ -229,11 +231,12 @@ def kv_replicas(sch: Schedule) -> int:
     return replicas
 
 
-def schedule_llama(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                   ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile")
+def schedule_llama(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Megatron TP (and SP) over attention (q/k/v -> o) and the gated MLP
     (gate/up -> down), KV heads replicated where there are fewer than ranks, then
     checkpoint the first ``ckpt_ratio`` of the layers."""
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     base = "model." if "model" in sch.child else ""
     if tp:
         replicas = kv_replicas(sch)  # before any primitive: a refusal changes nothing
@@ -258,4 +261,4 @@ def schedule_llama(sch: Schedule, *, tp: bool = False, sequence_parallel: bool =
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS,
                                         input_name="hidden_states")
             sp_final_norm(sch[f"{base}norm"])
-    finish_layers(sch[f"{base}layers"], ckpt_ratio, compile)
+    finish_layers(sch[f"{base}layers"], config)

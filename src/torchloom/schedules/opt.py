@@ -6,7 +6,8 @@ from torch import nn
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
-from ._common import check_tp_sizes, column, finish_layers, region, row
+from ._common import check_tp_sizes, column, finish_layers, region, row, takes
+from .config import ScheduleConfig
 
 __all__ = ["heads_per_rank", "schedule_opt"]
 
@@ -19,26 +20,27 @@ def heads_per_rank(old: nn.Module) -> nn.Module:
     return old
 
 
-def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                 ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile")
+def schedule_opt(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Megatron TP over self-attention (q/k/v -> out_proj) and the MLP (fc1 -> fc2),
     then checkpoint the first ``ckpt_ratio`` of the decoder layers."""
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     base = "model.decoder" if "model" in sch.child else "decoder"
     if sequence_parallel:
         raise ScheduleError(
             "OPT's decoder layer flattens (batch, sequence) into rows before fc1, so the "
             "MLP's input cannot be all-gathered along the sequence axis (gathered rows "
             "would be ordered by rank, not by position)",
-            path=f"{base}.layers", primitive="models.schedule_opt",
+            path=f"{base}.layers", primitive="schedules.schedule_opt",
             values={"sequence_parallel": True, "model": type(sch.mod).__name__},
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
-        config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        hf_config = sch.mod.config  # checked before any primitive: a refusal changes nothing
         check_tp_sizes(sch, "opt", [
-            ("num_attention_heads", config.num_attention_heads, f"{base}.layers.*.self_attn",
+            ("num_attention_heads", hf_config.num_attention_heads, f"{base}.layers.*.self_attn",
              "whole attention heads"),
-            ("ffn_dim", config.ffn_dim, f"{base}.layers.*.fc1",
+            ("ffn_dim", hf_config.ffn_dim, f"{base}.layers.*.fc1",
              "an equal share of the MLP's features")])
         for layer in sch[f"{base}.layers.*"]:
             region(layer["self_attn"], ["q_proj", "k_proj", "v_proj"], "out_proj", False,
@@ -49,4 +51,4 @@ def schedule_opt(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
             layer["fc1"].sync("bwd_post", "all_reduce")
             row(layer["fc2"])
             layer["fc2"].sync("fwd_post", "all_reduce")
-    finish_layers(sch[f"{base}.layers"], ckpt_ratio, compile)
+    finish_layers(sch[f"{base}.layers"], config)

@@ -6,7 +6,8 @@ from torch import nn
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
-from ._common import check_tp_sizes, column, finish_layers, region, row
+from ._common import check_tp_sizes, column, finish_layers, region, row, takes
+from .config import ScheduleConfig
 
 __all__ = ["heads_per_rank", "schedule_t5"]
 
@@ -29,26 +30,27 @@ def _attention(attn: Schedule, input_name: str | None = None) -> None:
     attn.replace(heads_per_rank)
 
 
-def schedule_t5(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile")
+def schedule_t5(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Megatron TP over self-attention, cross-attention (q/k/v -> o) and the feed-forward
     block (wi or wi_0/wi_1 -> wo) of the encoder and decoder blocks, then checkpoint the
     first ``ckpt_ratio`` of each stack's blocks."""
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     stacks = [name for name in ("encoder", "decoder") if name in sch.child]
     if sequence_parallel:
         raise ScheduleError(
             "T5 derives its relative position bias and attention masks from the sequence "
             "length the first block sees, so the blocks cannot run on sequence slices",
-            path=f"{stacks[0]}.block", primitive="models.schedule_t5",
+            path=f"{stacks[0]}.block", primitive="schedules.schedule_t5",
             values={"sequence_parallel": True, "model": type(sch.mod).__name__},
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
-        config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        hf_config = sch.mod.config  # checked before any primitive: a refusal changes nothing
         check_tp_sizes(sch, "t5", [
-            ("num_heads", config.num_heads, f"{stacks[0]}.block.*.layer.0.SelfAttention",
+            ("num_heads", hf_config.num_heads, f"{stacks[0]}.block.*.layer.0.SelfAttention",
              "whole attention heads"),
-            ("d_ff", config.d_ff, f"{stacks[0]}.block.*.layer.*.DenseReluDense",
+            ("d_ff", hf_config.d_ff, f"{stacks[0]}.block.*.layer.*.DenseReluDense",
              "an equal share of the feed-forward features")])
         for stack in stacks:
             for block in sch[f"{stack}.block.*"]:
@@ -69,4 +71,4 @@ def schedule_t5(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = Fa
                 wi = ["wi_0", "wi_1"] if "wi_0" in ff.child else ["wi"]
                 region(ff, wi, "wo", False)
     for stack in stacks:
-        finish_layers(sch[f"{stack}.block"], ckpt_ratio, compile)
+        finish_layers(sch[f"{stack}.block"], config)

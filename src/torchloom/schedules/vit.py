@@ -5,13 +5,22 @@ from __future__ import annotations
 from ..runtime import collectives as C
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
-from ._common import SEQ_AXIS, check_tp_sizes, finish_layers, region, sp_final_norm, sp_norms
+from ._common import (
+    SEQ_AXIS,
+    check_tp_sizes,
+    finish_layers,
+    region,
+    sp_final_norm,
+    sp_norms,
+    takes,
+)
+from .config import ScheduleConfig
 
 __all__ = ["schedule_vit"]
 
 
-def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = False,
-                 ckpt_ratio: float = 0.0, compile: bool | str = False) -> None:
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile")
+def schedule_vit(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Megatron TP (and SP) over attention (q/k/v -> o_proj) and the MLP (fc1 -> fc2),
     then checkpoint the first ``ckpt_ratio`` of the layers.
 
@@ -20,15 +29,16 @@ def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
     layers; its length, ``(image_size // patch_size) ** 2 + 1``, must divide by the
     group size.
     """
+    tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     base = "vit." if "vit" in sch.child else ""
     if sequence_parallel:
         _check_sequence_split(sch, base)
     if tp:  # before any primitive: a refusal changes nothing
-        config = sch.mod.config
+        hf_config = sch.mod.config
         check_tp_sizes(sch, "vit", [
-            ("num_attention_heads", config.num_attention_heads, f"{base}layers.*.attention",
+            ("num_attention_heads", hf_config.num_attention_heads, f"{base}layers.*.attention",
              "whole attention heads"),
-            ("intermediate_size", config.intermediate_size, f"{base}layers.*.mlp",
+            ("intermediate_size", hf_config.intermediate_size, f"{base}layers.*.mlp",
              "an equal share of the MLP's features")])
         for layer in sch[f"{base}layers.*"]:
             region(layer["attention"], ["q_proj", "k_proj", "v_proj"], "o_proj",
@@ -39,7 +49,7 @@ def schedule_vit(sch: Schedule, *, tp: bool = False, sequence_parallel: bool = F
         if sequence_parallel:
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS)
             sp_final_norm(sch[f"{base}layernorm"])
-    finish_layers(sch[f"{base}layers"], ckpt_ratio, compile)
+    finish_layers(sch[f"{base}layers"], config)
 
 
 def _check_sequence_split(sch: Schedule, base: str) -> None:
@@ -50,7 +60,7 @@ def _check_sequence_split(sch: Schedule, base: str) -> None:
         raise ScheduleError(
             f"sequence parallelism splits ViT's {tokens} tokens ({size} x {size} patches "
             f"and the class token) between {world} ranks, and {world} does not divide them",
-            path=f"{base}layers", primitive="models.schedule_vit",
+            path=f"{base}layers", primitive="schedules.schedule_vit",
             values={"image_size": config.image_size, "patch_size": config.patch_size,
                     "tokens": tokens, "world_size": world},
             fix="pick image_size and patch_size so that (image_size // patch_size) ** 2 + 1 "

@@ -110,7 +110,7 @@ def materialise(model: nn.Module, device: torch.device, seed: int,
     code run from ``seed`` (each sharded tensor the matching slice of the full one), or
     loaded from ``weights`` (the folders ``build(weights=...)`` reads). The global random
     state is left as it was. The hook ``Verify`` materialises through."""
-    from ..runtime.build import _materialise
+    from ..runtime.materialise import _materialise
 
     shim = SimpleNamespace(mod=model, group=group)  # what _materialise reads of a schedule
     with torch.random.fork_rng(devices=[]):
@@ -264,7 +264,7 @@ class Verify:
             return self
         check_ranks_agree(self.sch, primitive="Verify")  # before weights are broadcast
         model = self.sch.mod
-        from ..runtime.build import has_meta_tensors
+        from ..runtime.materialise import has_meta_tensors
 
         self._meta = has_meta_tensors(model)
         if self.weights is not None and not self._meta:
@@ -467,7 +467,7 @@ class Verify:
         """With ``cut_pipeline_stage`` marks: run each stage on the values the whole model
         computes for the verification inputs, so that a value a stage took as a constant
         from the example micro-batch, and that differs here, is caught at its cut."""
-        from ..runtime.pipeline import cut_paths, replay_stages, split_stages
+        from ..runtime.pipeline_split import cut_paths, replay_stages, split_stages
 
         if not cut_paths(self.sch):
             return
