@@ -236,7 +236,7 @@ def _run_family(job: dict[str, Any], args: argparse.Namespace, rank: int) -> dic
                                                  args.sp)
     load_tl = _max_over_ranks(time.perf_counter() - start)
     models = {"transformers": hf, "torchloom": tl_model}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=args.lr) for k, m in schedules.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=args.lr) for k, m in models.items()}
     runs: dict[str, dict[str, Any]] = {
         k: {"losses": [], "times_ms": [], "load_s": t}
         for k, t in (("transformers", load_hf), ("torchloom", load_tl))}

@@ -59,7 +59,6 @@ import importlib
 import inspect
 import json
 import math
-import multiprocessing.connection as mpc
 import os
 import platform
 import queue
@@ -68,7 +67,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch

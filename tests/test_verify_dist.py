@@ -14,7 +14,8 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from tests.test_tp_models_dist import CASES, column, gpt2, gpt2_attention_split, row
+from tests.test_tp_models_dist import CASES, gpt2, gpt2_attention_split
+from torchloom.schedules._common import column, row
 from tests.test_verify import UnseededCheckpoint
 from torchloom.runtime import collectives as C
 

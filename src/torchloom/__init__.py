@@ -77,6 +77,8 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
 
 __all__ = [
+    # modules whose functions are public by module: tl.state.save, tl.pipeline.tied_weights, ...
+    "models", "ops", "parallel", "pipeline", "schedules", "state", "tracing",
     "AnnotateError",
     "FuseError",
     "CompileError",

@@ -17,7 +17,6 @@ from torchloom.apps import train as T
 from torchloom.apps.data import DataError
 from torchloom.apps.jobconfig import TrainConfig, TrainOptionError, load_toml, options
 from torchloom.runtime.state import CheckpointIOError
-from torchloom.core.errors import ScheduleError
 
 
 def _folder(tmp_path: Path, **config) -> str:

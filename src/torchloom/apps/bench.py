@@ -74,11 +74,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.errors import CliOptionError
 from ..core.marks import CHECKPOINTED, has_mark
 from .. import schedules
 from ..schedules import zoo
 from ..runtime.build import build
-from ..core.errors import ScheduleError
 from ..plan.profiles import matmul_rate, sync as _sync
 from ..core.schedule import create_schedule
 from ..runtime.memory import count_saved
@@ -224,11 +224,11 @@ def _make(name: str, size: str, seed: int, device: str | torch.device = "cpu") -
 
 def _size(name: str, size: str) -> ModelSize:
     if size not in SIZES:
-        raise ScheduleError(f"unknown bench size {size!r}; sizes: {', '.join(SIZES)}",
+        raise CliOptionError(f"unknown bench size {size!r}; sizes: {', '.join(SIZES)}",
                             primitive="torchloom bench", values={"size": size},
                             fix="--size bench")
     if name not in SIZES[size]:
-        raise ScheduleError(
+        raise CliOptionError(
             f"torchloom bench has no {name!r} model; it has {', '.join(SIZES[size])}",
             primitive="torchloom bench", values={"model": name},
             fix=f"--models {','.join(SIZES[size])}")
@@ -522,12 +522,12 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
     """
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ScheduleError("--device cuda, but torch sees no CUDA device",
+        raise CliOptionError("--device cuda, but torch sees no CUDA device",
                             primitive="torchloom bench", values={"device": cfg.device},
                             fix="--device cpu")
     unknown = [v for v in cfg.variants if v not in VARIANTS]
     if unknown or "eager" not in cfg.variants:
-        raise ScheduleError(f"variants must include eager and be among {', '.join(VARIANTS)}",
+        raise CliOptionError(f"variants must include eager and be among {', '.join(VARIANTS)}",
                             primitive="torchloom bench", values={"variants": cfg.variants},
                             fix="variants=('eager', 'compile', 'torchloom')")
     results: list[dict[str, Any]] = []

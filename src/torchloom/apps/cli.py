@@ -45,12 +45,12 @@ from rich.progress import (
 from rich.syntax import Syntax
 from rich.table import Table
 
+from ..core.errors import CliOptionError
 from ..core import __version__
 from . import data
 from ..schedules import zoo
 from .cli_errors import clean_errors as _clean_errors
 from ..runtime.build import build
-from ..core.errors import ScheduleError
 from ..primitives import list_primitives
 from ..core.schedule import Schedule, create_schedule
 from ..core.show import rich_tree
@@ -249,7 +249,7 @@ def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
                 f"{_count(count_parameters(built))} parameters (on meta: shapes only)")
         return built, text, layer_lists(built)
     if model not in zoo.list_models() and os.path.isdir(model):
-        raise ScheduleError("the folder has no config.json (a transformers model folder, as "
+        raise CliOptionError("the folder has no config.json (a transformers model folder, as "
                             "save_pretrained writes it, has one)", primitive="torchloom show",
                             values={"model": model}, fix="torchloom show path/to/model-folder")
     with init_empty_weights():
@@ -583,7 +583,7 @@ def tune(
     try:
         sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
     except ValueError:
-        raise ScheduleError("batch sizes must be integers separated by commas",
+        raise CliOptionError("batch sizes must be integers separated by commas",
                             primitive="torchloom tune", values={"batch_sizes": batch_sizes},
                             fix="--batch-sizes 4,8,16") from None
     # tune_command checks the values (positive sizes, a text model, writable outputs)
@@ -644,7 +644,7 @@ def verify(
 
     console = Console()
     if sp and tp < 2:
-        raise ScheduleError("sequence parallelism needs at least two tensor-parallel ranks",
+        raise CliOptionError("sequence parallelism needs at least two tensor-parallel ranks",
                             primitive="torchloom verify", values={"tp": tp, "sp": sp},
                             fix=f"torchloom verify {model} --tp 2 --sp")
     console.print(f"verifying the built-in schedule of [bold]{model}[/] (tiny) on {tp} "
@@ -705,7 +705,7 @@ def bench(
     console = Console()
     num_threads, why = (threads, "--threads") if threads else _default_threads()
     torch.set_num_threads(num_threads)
-    names = [m.strip() for m in schedules.split(",") if m.strip()]
+    names = [m.strip() for m in models.split(",") if m.strip()]
     cfg = BenchConfig(models=names, size=size, steps=steps,
                       budget_bytes=int(budget_mb * 2**20), max_batch=max_batch,
                       ckpt_ratio=ckpt_ratio, device=device, compile_backend=compile_backend,

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ScheduleError
+from ..core.errors import DataError
 
 __all__ = ["DEFAULT_MAX_BYTES", "VOCAB_SIZE", "DataError", "batches", "eval_windows",
            "has_tokenizer", "load_corpus", "load_tokenizer", "source_files", "split",
@@ -61,10 +61,6 @@ DEFAULT_MAX_BYTES = 4_000_000
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """Any of these in a model folder means it has a tokenizer."""
-
-
-class DataError(ScheduleError):
-    """``--data`` cannot be read or tokenised, or holds too little text."""
 
 
 def source_files(root: str | os.PathLike[str] | None = None) -> Iterator[Path]:
@@ -89,7 +85,7 @@ def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
         ScheduleError: no source files were found (a Python installed without them).
     """
     if max_bytes <= 0:
-        raise ScheduleError(
+        raise DataError(
             "max_bytes must be positive",
             primitive="load_corpus",
             values={"max_bytes": max_bytes},
@@ -107,7 +103,7 @@ def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
         if size >= max_bytes:
             break
     if size == 0:
-        raise ScheduleError(
+        raise DataError(
             "no Python standard-library source files found",
             primitive="load_corpus",
             values={"stdlib": sysconfig.get_paths()["stdlib"]},
@@ -127,7 +123,7 @@ def batches(
     one position themselves). The windows depend only on ``seed``.
     """
     if batch_size <= 0 or seq_len <= 0:
-        raise ScheduleError(
+        raise DataError(
             "batch_size and seq_len must be positive",
             primitive="batches",
             values={"batch_size": batch_size, "seq_len": seq_len},
@@ -135,7 +131,7 @@ def batches(
         )
     corpus = load_corpus(max_bytes)
     if corpus.numel() <= seq_len:
-        raise ScheduleError(
+        raise DataError(
             "the corpus is shorter than one sequence",
             primitive="batches",
             values={"corpus_bytes": corpus.numel(), "seq_len": seq_len},

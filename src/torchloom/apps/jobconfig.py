@@ -42,7 +42,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ..core.errors import ScheduleError
+from ..core.errors import TrainOptionError
 
 __all__ = ["DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "RUN_FIELDS", "TrainConfig",
            "TrainOptionError", "load_toml", "model_kind", "options"]
@@ -61,10 +61,6 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
-
-
-class TrainOptionError(ScheduleError):
-    """An option of ``torchloom train`` (a flag or a key of the TOML file) has a bad value."""
 
 
 def model_kind(model: str) -> str | None:

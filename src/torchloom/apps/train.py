@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.errors import NonFiniteLossError
 from . import data
 from .. import schedules
 from ..schedules import zoo
@@ -99,10 +100,6 @@ __all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError"
 _PRIMITIVE = "torchloom train"
 _DEFAULTS = TrainConfig().run_fields()
 Report = Callable[[dict[str, Any]], None]
-
-
-class NonFiniteLossError(ScheduleError):
-    """The training loss became NaN or infinite; the run stopped before using it."""
 
 
 # --------------------------------------------------------------------------- schedule of a step
@@ -331,7 +328,7 @@ def _positions(model: str, size: str, seq_len: int) -> dict[str, int]:
     if model in _GROWN:
         return {key: max(limit, seq_len)}
     if seq_len > limit:
-        raise ScheduleError(
+        raise TrainOptionError(
             f"--seq-len {seq_len} is longer than the {limit} positions of {model} ({size}): "
             f"config field {key} = {limit}",
             primitive=_PRIMITIVE,
@@ -369,7 +366,7 @@ def check_config(cfg: TrainConfig) -> None:
     """
     if cfg.model_kind == "zoo" and zoo._entry(cfg.model, _PRIMITIVE).kind == "image":
         supported = _text_models()
-        raise ScheduleError(
+        raise TrainOptionError(
             f"torchloom train feeds token windows of text, and {cfg.model} takes images",
             primitive=_PRIMITIVE, values={"model": cfg.model, "supported": supported},
             fix=f"train one of {', '.join(supported)}: torchloom train --model gpt2; train "
@@ -400,13 +397,13 @@ def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
         return
     layers = layer_lists(model, cfg.model)
     if len(layers) != 1:
-        raise ScheduleError(
+        raise TrainOptionError(
             f"{cfg.model} has {len(layers)} layer lists; the command line pipelines one",
             primitive=_PRIMITIVE, values={"model": cfg.model, "layers": layers},
             fix="pipeline gpt2, bert or llama, or cut the stages by hand in Python")
     count = len(model.get_submodule(layers[0]))
     if count % cfg.pp:
-        raise ScheduleError(
+        raise TrainOptionError(
             f"{count} layers do not split evenly into {cfg.pp} stages",
             primitive=_PRIMITIVE, values={"layers": count, "pp": cfg.pp},
             fix=f"use --pp dividing {count}")
@@ -590,7 +587,7 @@ def train_rank(rank: int, config: dict[str, Any], report: Report | None = None) 
     cfg = TrainConfig(**config)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if cfg.world != world:
-        raise ScheduleError(
+        raise TrainOptionError(
             f"--tp {cfg.tp} x --dp {cfg.dp} x --pp {cfg.pp} = {cfg.world} ranks, but the run "
             f"has {world}", primitive=_PRIMITIVE,
             values={"tp": cfg.tp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},

@@ -218,3 +218,93 @@ class PlanError(ScheduleError):
 
 
 __all__ += ["TuneError", "TuneDatabaseError", "PlanError"]
+
+
+class ScheduleConfigError(ScheduleError):
+    """A schedule knob has a value no built-in schedule can use, or one the schedule of
+    this model does not take."""
+
+
+class TPPlanError(ScheduleError):
+    """A transformers parallel plan that torchloom cannot turn into a correct schedule for
+    this model (``values`` names the ``style`` and the ``family``)."""
+
+
+class CheckpointIOError(ScheduleError):
+    """A checkpoint directory is missing, incomplete (an interrupted save) or unreadable."""
+
+
+class CheckpointMismatchError(ScheduleError):
+    """A checkpoint does not fit this model / optimizer / world size (or a shard spec does
+    not fit the group it is gathered over)."""
+
+
+class OpsError(ScheduleError):
+    """A kernel of :mod:`torchloom.ops` was called with arguments it cannot use."""
+
+
+class VerificationError(ScheduleError):
+    """The scheduled model computes something else than the original (or would)."""
+
+
+class DataError(ScheduleError):
+    """``--data`` cannot be read or tokenised, or holds too little text."""
+
+
+class TrainOptionError(ScheduleError):
+    """An option of ``torchloom train`` (a flag or a key of the TOML file) has a bad value."""
+
+
+class NonFiniteLossError(ScheduleError):
+    """The training loss became NaN or infinite; the run stopped before using it."""
+
+
+class PrimitiveNameError(ScheduleError, AttributeError):
+    """A schedule was asked for a primitive (or attribute) it does not have."""
+
+
+class PrimitiveCallError(ScheduleError, TypeError):
+    """A primitive was called with arguments that do not fit its signature."""
+
+
+__all__ += ["ScheduleConfigError", "TPPlanError", "CheckpointIOError", "CheckpointMismatchError",
+            "OpsError", "VerificationError", "DataError", "TrainOptionError",
+            "NonFiniteLossError", "PrimitiveNameError", "PrimitiveCallError"]
+
+
+class ModelSizeError(ScheduleConfigError):
+    """A config size (heads, KV heads, features, tokens) that the tensor-parallel or
+    sequence-parallel degree must divide, and does not; or a model a knob cannot apply to."""
+
+
+class NoScheduleError(ScheduleError):
+    """A model class without a built-in schedule and without a transformers tp plan."""
+
+
+class PipelineCutError(ScheduleError):
+    """``cut_pipeline_stage`` at a place a stage cannot end (the root, an untraced parent,
+    a module the graph does not call, a second cut)."""
+
+
+class LaunchError(ScheduleError):
+    """A process group or a local launch cannot be set up as asked."""
+
+
+class BuiltError(ScheduleError):
+    """A primitive on a schedule that ``build`` has built already."""
+
+
+class UnknownModelError(ScheduleError):
+    """A model or size name the zoo or a command does not know."""
+
+
+class CliOptionError(ScheduleError):
+    """A command-line option (of ``show``, ``tune``, ``verify``, ``bench``) has a bad value."""
+
+
+class NotAModuleError(ScheduleError, TypeError):
+    """A schedule was asked to be made of something that is not an ``nn.Module``."""
+
+
+__all__ += ["ModelSizeError", "NoScheduleError", "PipelineCutError", "LaunchError",
+            "BuiltError", "UnknownModelError", "CliOptionError", "NotAModuleError"]

@@ -55,7 +55,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -344,7 +344,7 @@ def _decode(value: Any, resolve: Callable[[str], Any], depth: int = 0) -> Any:
     if key == "__dtype__":
         if not isinstance(inner, str) or inner not in _DTYPES:
             raise _Refused(f"unknown dtype {_short_repr(inner)}", {"dtype": _short_repr(inner)},
-                           f"use a torch dtype name, e.g. {{'__dtype__': 'float16'}}")
+                           "use a torch dtype name, e.g. {'__dtype__': 'float16'}")
         return _DTYPES[inner]
     if key == "__tuple__":
         if type(inner) is not list:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .errors import PrimitiveCallError
 from .errors import ScheduleError
 from .recipe import RecipeEntry
 from .schedule import Schedule, ScheduleGroup
@@ -33,10 +34,6 @@ from .schedule import Schedule, ScheduleGroup
 __all__ = ["PRIMITIVES", "Primitive", "PrimitiveCallError", "list_primitives", "primitive"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class PrimitiveCallError(ScheduleError, TypeError):
-    """A primitive was called with arguments that do not fit its signature."""
 
 
 @dataclass(frozen=True)

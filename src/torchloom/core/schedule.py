@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PathError, ScheduleError
+from .errors import PrimitiveNameError
+from .errors import BuiltError, NotAModuleError, PathError
 from .recipe import Recipe
 
 if TYPE_CHECKING:
@@ -50,10 +51,6 @@ def _has_wildcard(token: str) -> bool:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-class PrimitiveNameError(ScheduleError, AttributeError):
-    """A schedule was asked for a primitive (or attribute) it does not have."""
 
 
 class Schedule:
@@ -78,7 +75,7 @@ class Schedule:
         group: ProcessGroup | None = None,
     ) -> None:
         if not isinstance(mod, nn.Module):
-            raise ScheduleError(
+            raise NotAModuleError(
                 f"a schedule is made of an nn.Module, not a {type(mod).__name__}",
                 path=path,
                 primitive="create_schedule",
@@ -249,7 +246,7 @@ class Schedule:
         root = self.root
         if not root._built or root._recording_depth > 0:
             return
-        raise ScheduleError(
+        raise BuiltError(
             f"this schedule was already built; {primitive} after build would not reach the "
             "model build returned (its optimizer, data-parallel wrapper or pipeline stages "
             "hold the parameters as they were)",

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import ReplaceError, ScheduleError
+from ..core.errors import OpsError
+from ..core.errors import ReplaceError
 
 __all__ = [
     "OpsError",
@@ -56,10 +57,6 @@ __all__ = [
     "make_sdpa_gpt2_attention",
     "sdpa_attention",
 ]
-
-
-class OpsError(ScheduleError):
-    """A kernel of :mod:`torchloom.ops` was called with arguments it cannot use."""
 
 
 def _causal_keep(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

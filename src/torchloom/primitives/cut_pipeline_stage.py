@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..core.errors import PipelineCutError
 from ..core.errors import ScheduleError
 from ..core.marks import PIPELINE_CUT, has_mark, set_mark
 from ..graph.graph_module import is_traced
@@ -60,7 +61,7 @@ def _graph_parent(sch: Schedule) -> tuple[Schedule, str]:
 def apply(sch: Schedule) -> None:
     """Mark ``sch.mod`` as the last module of a pipeline stage."""
     if sch.parent is None:
-        raise ScheduleError(
+        raise PipelineCutError(
             "the root cannot end a pipeline stage; cut after one of its modules",
             path=sch.path, primitive=NAME, values={"module": type(sch.mod).__name__},
             fix="e.g. sch['transformer.h.5'].cut_pipeline_stage()",
@@ -68,7 +69,7 @@ def apply(sch: Schedule) -> None:
     parent, rel = _graph_parent(sch)
     levels = f"{sch.parent.path}.*" if sch.parent.path else "*"
     if not is_traced(parent.mod):
-        raise ScheduleError(
+        raise PipelineCutError(
             f"the module that calls this one ({parent.path or 'the root'}) is not traced, so "
             "there is no graph to cut",
             path=sch.path, primitive=NAME,
@@ -77,13 +78,13 @@ def apply(sch: Schedule) -> None:
         )
     calls = [n for n in parent.mod.graph.nodes if n.op == "call_module" and n.target == rel]
     if not calls:
-        raise ScheduleError(
+        raise PipelineCutError(
             f"the traced graph of {parent.path or 'the root'} does not call this module",
             path=sch.path, primitive=NAME, values={"parent": parent.path, "target": rel},
             fix="cut after a module the model calls (look at sch[parent].mod.graph)",
         )
     if has_mark(sch.mod, PIPELINE_CUT):
-        raise ScheduleError(
+        raise PipelineCutError(
             "a stage already ends after this module",
             path=sch.path, primitive=NAME, values={"module": type(sch.mod).__name__},
             fix=f"cut once: remove the second sch[{sch.path!r}].cut_pipeline_stage()",

@@ -14,17 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import ScheduleError
+from ..core.errors import CheckpointMismatchError
 from ..core.meta import ShardSpec, shard_spec
 from .collectives import guard_collective
 from .process_group import _rank, _size
 
 __all__ = ["CheckpointMismatchError", "full_optimizer_state_dict", "full_state_dict"]
-
-
-class CheckpointMismatchError(ScheduleError):
-    """A checkpoint does not fit this model / optimizer / world size (or a shard spec does
-    not fit the group it is gathered over)."""
 
 
 def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..core.errors import LaunchError
 from ..core.errors import CollectiveTimeoutError, RankFailedError, ScheduleError
 from .process_group import init_distributed
 
@@ -240,7 +241,7 @@ class _Launch:
                 try:
                     proc.start()
                 except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                    raise ScheduleError(
+                    raise LaunchError(
                         f"cannot send the rank function or its arguments to a spawned rank: "
                         f"{exc}", primitive="run_ranks",
                         values={"fn": getattr(self.fn, "__qualname__", repr(self.fn))},
@@ -397,7 +398,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
             not timeout_s > 0 or math.isinf(timeout_s):
-        raise ScheduleError(
+        raise LaunchError(
             f"timeout_s must be a positive number of seconds, not {timeout_s!r}",
             primitive="run_ranks", values={"timeout_s": timeout_s},
             fix=f"run_ranks(fn, world_size, ..., timeout_s={DEFAULT_TIMEOUT_S})")

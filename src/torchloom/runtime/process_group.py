@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.errors import ScheduleError
+from ..core.errors import LaunchError
 
 __all__ = ["backend_for", "device_type_of", "init_distributed"]
 
@@ -67,12 +67,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 60.0, *,
     >>> dist.destroy_process_group()
     """
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ScheduleError(
+        raise LaunchError(
             f"timeout_s must be a positive number of seconds, not {timeout_s!r}",
             primitive="init_distributed", values={"timeout_s": timeout_s},
             fix="init_distributed(timeout_s=60)")
     if dist.is_initialized():
-        raise ScheduleError(
+        raise LaunchError(
             "the default process group is already initialised; its timeout cannot be set now",
             primitive="init_distributed",
             values={"timeout_s": timeout_s, "world_size": dist.get_world_size()},

@@ -101,6 +101,7 @@ from torch import nn
 # Defined elsewhere, importable here (torchloom.state): CollectiveTimeoutError,
 # guard_collective (the sync hooks' collectives use it too), the process group and the
 # full state dicts.
+from ..core.errors import CheckpointIOError
 from ..core.errors import CollectiveTimeoutError, ScheduleError
 from ..core.meta import ShardSpec, shard_spec
 from .collectives import guard_collective
@@ -136,10 +137,6 @@ FORMAT = 2
 directory, before checksums; not read any more)."""
 _MODEL = "model."
 _OPTIM = "optim."
-
-
-class CheckpointIOError(ScheduleError):
-    """A checkpoint directory is missing, incomplete (an interrupted save) or unreadable."""
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..core.errors import ScheduleError
+from ..core.errors import NoScheduleError
 from ..core.schedule import Schedule
 from ._common import check_knobs
 from .config import ScheduleConfig, ScheduleConfigError
@@ -106,7 +106,7 @@ def schedule_for(model: Any) -> ScheduleFn:
             return _REGISTRY[cls.__name__]
     if has_tp_plan(model):
         return schedule_hf_plan
-    raise ScheduleError(
+    raise NoScheduleError(
         f"there is no built-in schedule for {type(model).__name__}, and transformers "
         "declares no tensor-parallel plan for it",
         primitive="schedules.schedule_for",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, TypeVar
 
-from ..core.errors import ScheduleError
+from ..core.errors import ModelSizeError
 from ..core.schedule import Schedule
 from .config import KNOBS, ScheduleConfig, ScheduleConfigError
 
@@ -131,7 +131,7 @@ def check_tp_sizes(sch: Schedule, model: str, sizes: list[tuple[str, int, str, s
         if value % world == 0:
             continue
         up = -(-value // world) * world
-        raise ScheduleError(
+        raise ModelSizeError(
             f"tensor parallelism gives each of the {world} ranks {what}, and {field}="
             f"{value} does not divide by {world}",
             path=path, primitive=f"schedules.schedule_{model}",

@@ -10,7 +10,7 @@ checked by the schedule itself.
 ScheduleConfig(tp=2, sequence_parallel=True, ckpt_ratio=0.5, compile=False, attention='model', fused=False, vocab_parallel=True)
 >>> ScheduleConfig(ckpt_ratio=2)
 Traceback (most recent call last):
-torchloom.schedules.config.ScheduleConfigError: schedules.apply_schedule(...): ckpt_ratio must be a number from 0 to 1, not 2
+torchloom.core.errors.ScheduleConfigError: schedules.apply_schedule(...): ckpt_ratio must be a number from 0 to 1, not 2
     values: ckpt_ratio=2
     fix: apply_schedule(sch, ckpt_ratio=0.5) checkpoints the first half of the layers
 """
@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ScheduleError
+from ..core.errors import ScheduleConfigError
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -30,11 +30,6 @@ __all__ = ["ATTENTION", "KNOBS", "ScheduleConfig", "ScheduleConfigError"]
 
 ATTENTION = ("model", "sdpa")  # the attention kernel choices of GPT-2 and BERT
 _PRIMITIVE = "schedules.apply_schedule"
-
-
-class ScheduleConfigError(ScheduleError):
-    """A schedule knob has a value no built-in schedule can use, or one the schedule of
-    this model does not take."""
 
 
 @dataclass(frozen=True)

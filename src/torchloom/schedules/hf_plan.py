@@ -123,8 +123,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.errors import TPPlanError as PlanError
 from ..core.marks import FOREIGN_IDS, pop_mark, set_mark
-from ..core.errors import ScheduleError
 from ..core.meta import get_meta, shard_spec
 from ..primitives._common import tied_names
 from ..core.marks import transfer_hooks
@@ -176,11 +176,6 @@ REFUSED_STYLES = {
     "ep_router": "expert parallelism (each rank a subset of the experts) is not "
     "supported; the plan's moe_tp_experts splits every expert instead",
 }
-
-
-class PlanError(ScheduleError):
-    """A transformers parallel plan that torchloom cannot turn into a correct schedule for
-    this model (``values`` names the ``style`` and the ``family``)."""
 
 
 @dataclass(frozen=True)

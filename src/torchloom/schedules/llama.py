@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import ScheduleError
+from ..core.errors import ModelSizeError, ReplaceError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ..core.marks import transfer_hooks
 from ..core.schedule import Schedule
@@ -159,7 +159,7 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
     path = f"{type(old).__name__} (self_attn)"
     q = shard_spec(old.q_proj.weight)
     if q is None or q.axis != 0 or q.chunks != 1 or q.replicas != 1:
-        raise ScheduleError(
+        raise ReplaceError(
             "replicate_kv_heads takes the rank's query heads from q_proj's shard, but "
             "q_proj is not sharded along its output features",
             path=None, primitive="schedules.llama.replicate_kv_heads",
@@ -169,7 +169,7 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
         )
     for name in ("k_proj", "v_proj"):
         if shard_spec(getattr(old, name).weight) is not None:
-            raise ScheduleError(
+            raise ReplaceError(
                 f"{name} is already sharded; replicate_kv_heads slices the whole projection",
                 path=None, primitive="schedules.llama.replicate_kv_heads",
                 values={"module": path, name: repr(shard_spec(getattr(old, name).weight))},
@@ -179,7 +179,7 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
     tp, rank, head_dim = q.world_size, q.rank, old.head_dim
     heads, kv = q.full_shape[0] // head_dim, old.k_proj.out_features // head_dim
     if not (kv < tp and tp % kv == 0):
-        raise ScheduleError(
+        raise ReplaceError(
             f"replicate_kv_heads is for fewer KV heads than ranks, shared evenly: {kv} KV "
             f"head(s) at a tensor-parallel degree of {tp}",
             path=None, primitive="schedules.llama.replicate_kv_heads",
@@ -213,7 +213,7 @@ def kv_replicas(sch: Schedule) -> int:
         replicas = 1
     else:
         multiples = [m for m in range(2 * kv, heads + 1, kv) if heads % m == 0]
-        raise ScheduleError(
+        raise ModelSizeError(
             f"tensor parallelism gives each of the {world} ranks whole KV heads (or, with "
             "fewer KV heads than ranks, one KV head shared by an equal number of ranks), "
             f"and num_key_value_heads={kv} is neither a multiple nor a divisor of {world}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..core.errors import ScheduleError
+from ..core.errors import ModelSizeError
 from ..core.schedule import Schedule
 from ._common import check_tp_sizes, column, finish_layers, region, row, takes
 from .config import ScheduleConfig
@@ -27,7 +27,7 @@ def schedule_opt(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> No
     tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     base = "model.decoder" if "model" in sch.child else "decoder"
     if sequence_parallel:
-        raise ScheduleError(
+        raise ModelSizeError(
             "OPT's decoder layer flattens (batch, sequence) into rows before fc1, so the "
             "MLP's input cannot be all-gathered along the sequence axis (gathered rows "
             "would be ordered by rank, not by position)",

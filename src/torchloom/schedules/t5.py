@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..core.errors import ScheduleError
+from ..core.errors import ModelSizeError
 from ..core.schedule import Schedule
 from ._common import check_tp_sizes, column, finish_layers, region, row, takes
 from .config import ScheduleConfig
@@ -38,7 +38,7 @@ def schedule_t5(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> Non
     tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     stacks = [name for name in ("encoder", "decoder") if name in sch.child]
     if sequence_parallel:
-        raise ScheduleError(
+        raise ModelSizeError(
             "T5 derives its relative position bias and attention masks from the sequence "
             "length the first block sees, so the blocks cannot run on sequence slices",
             path=f"{stacks[0]}.block", primitive="schedules.schedule_t5",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..core.errors import ModelSizeError
 from ..runtime import collectives as C
-from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
@@ -57,7 +57,7 @@ def _check_sequence_split(sch: Schedule, base: str) -> None:
     size = config.image_size // config.patch_size
     tokens, world = size * size + 1, C.group_size(sch.group)
     if tokens % world:
-        raise ScheduleError(
+        raise ModelSizeError(
             f"sequence parallelism splits ViT's {tokens} tokens ({size} x {size} patches "
             f"and the class token) between {world} ranks, and {world} does not divide them",
             path=f"{base}layers", primitive="schedules.schedule_vit",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.errors import ScheduleError
+from ..core.errors import UnknownModelError
 
 __all__ = ["SIZES", "example_inputs", "layer_paths", "list_models", "make_model",
            "max_positions"]
@@ -156,7 +156,7 @@ def layer_paths(name: str) -> list[str]:
 
 def _entry(name: str, primitive: str) -> _Entry:
     if name not in _ZOO:
-        raise ScheduleError(
+        raise UnknownModelError(
             f"unknown model {name!r}; known models: {', '.join(list_models())}",
             primitive=primitive,
             values={"name": name},
@@ -189,7 +189,7 @@ def make_model(name: str, size: str = "tiny", *, seed: int | None = None,
     """
     entry = _entry(name, "make_model")
     if size not in SIZES:
-        raise ScheduleError(
+        raise UnknownModelError(
             f"unknown size {size!r}; sizes: {', '.join(SIZES)}",
             primitive="make_model",
             values={"name": name, "size": size},
@@ -199,7 +199,7 @@ def make_model(name: str, size: str = "tiny", *, seed: int | None = None,
     defaults = config_class()
     unknown = sorted(k for k in overrides if k not in _EXTRA_KEYS and not hasattr(defaults, k))
     if unknown:
-        raise ScheduleError(
+        raise UnknownModelError(
             f"{entry.config_class} has no field {unknown[0]!r}",
             primitive="make_model",
             values={"name": name, "unknown": unknown},

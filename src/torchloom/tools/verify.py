@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.errors import VerificationError
 from ..core.marks import SYNCS, get_mark
 from ..runtime import collectives as C
 from ..runtime.agree import check_ranks_agree
@@ -87,10 +88,6 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 __all__ = ["Verify", "VerificationError", "materialise"]
-
-
-class VerificationError(ScheduleError):
-    """The scheduled model computes something else than the original (or would)."""
 
 
 def _default_loss(output: Any) -> torch.Tensor:
