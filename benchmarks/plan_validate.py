@@ -35,9 +35,9 @@ import statistics
 import time
 from typing import Any
 
-from torchloom.runtime.launch import raise_first_failure, run_ranks
 from torchloom.plan import Layout, measure_local, predict
 from torchloom.plan.validate import check_prediction, measure_many
+from torchloom.runtime.launch import raise_first_failure, run_ranks
 
 SEQ = 32
 RATIOS = (0.0, 0.5, 1.0)

@@ -12,10 +12,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import torchloom as tl
-from torchloom.runtime.build import build
-from torchloom.runtime.materialise import init_empty_weights
 from torchloom.core.errors import BuildError
 from torchloom.core.meta import ShardSpec, get_meta, shard_spec
+from torchloom.runtime.build import build
+from torchloom.runtime.materialise import init_empty_weights
 
 SEED = 7
 
@@ -128,7 +128,7 @@ def test_init_empty_weights_restores_the_patch_even_on_error_and_nests():
     orig_p, orig_b = nn.Module.register_parameter, nn.Module.register_buffer
     with pytest.raises(ZeroDivisionError, match="division by zero"):
         with init_empty_weights(include_buffers=True):
-            1 / 0
+            _ = 1 / 0
     assert nn.Module.register_parameter is orig_p and nn.Module.register_buffer is orig_b
     with init_empty_weights():
         with init_empty_weights(include_buffers=True):
@@ -315,7 +315,7 @@ def test_init_weights_true_reinitialises_real_weights_in_place():
     model, loaded = half_meta_gpt2()
     objects = {n: model.get_parameter(n) for n in loaded}
     built(model, init_weights=True)
-    for name, value in loaded.items():
+    for name in loaded:
         assert model.get_parameter(name) is objects[name]
     changed = [n for n, v in loaded.items() if not torch.equal(model.get_parameter(n), v)]
     assert "transformer.wte.weight" in changed and "transformer.h.0.attn.c_attn.weight" in changed

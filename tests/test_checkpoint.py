@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torchloom as tl
 from torchloom.core.errors import CheckpointError, ScheduleError
-from torchloom.primitives import checkpoint as ckpt_mod
 from torchloom.core.marks import CHECKPOINTED, has_mark
+from torchloom.primitives import checkpoint as ckpt_mod
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom.schedules import zoo
 from torchloom.core.errors import CompileError
-from torchloom.tools.testing import verify_recipe_roundtrip
-from torchloom.runtime.memory import count_saved
 from torchloom.core.marks import COMPILED, has_mark
+from torchloom.runtime.memory import count_saved
+from torchloom.schedules import zoo
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

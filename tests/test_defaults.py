@@ -29,8 +29,8 @@ import transformers
 
 import torchloom as tl
 from torchloom import schedules
-from torchloom.graph import guards, tracing
 from torchloom.core.errors import CheckpointError, TraceError, TraceGuardError
+from torchloom.graph import guards, tracing
 from torchloom.runtime.pipeline_split import replay_stages, split_stages
 
 VOCAB = 128

@@ -18,8 +18,8 @@ from torch import nn
 import torchloom as tl
 from tests.dist import spawn
 from tests.test_tp_models_dist import gpt2, llama
-from torchloom.schedules import apply_schedule
 from torchloom.runtime.parallel import init_mesh
+from torchloom.schedules import apply_schedule
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

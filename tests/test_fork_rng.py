@@ -13,10 +13,10 @@ from torch import nn
 
 import torchloom as tl
 from torchloom.core.errors import RngError, ScheduleError
+from torchloom.core.marks import FORK_RNG, get_mark
 from torchloom.primitives import checkpoint as ckpt_mod
 from torchloom.primitives.fork_rng import _device_of
 from torchloom.runtime.rng import RngStatesTracker, get_rng_tracker, set_random_seed
-from torchloom.core.marks import FORK_RNG, get_mark
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -35,8 +35,8 @@ from torch import nn
 import torchloom as tl
 from tests.dist import spawn
 from torchloom import schedules
-from torchloom.tools.check import check
 from torchloom.runtime.collectives import count_collectives
+from torchloom.tools.check import check
 from torchloom.tools.testing import verify_recipe_roundtrip
 
 WORLD = 4

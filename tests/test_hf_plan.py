@@ -38,8 +38,8 @@ from tests.test_hf_plan_dist import (
     ultrabert,
 )
 from torchloom import schedules
+from torchloom.runtime.pipeline_split import cut_paths
 from torchloom.schedules import zoo
-from torchloom.tools.check import check
 from torchloom.schedules.gpt2 import schedule_gpt2
 from torchloom.schedules.hf_plan import (
     MlaKvAProjection,
@@ -50,7 +50,7 @@ from torchloom.schedules.hf_plan import (
     tp_plan_of,
 )
 from torchloom.schedules.llama import schedule_llama
-from torchloom.runtime.pipeline_split import cut_paths
+from torchloom.tools.check import check
 
 
 def _lines(sch: tl.Schedule) -> list[str]:

@@ -31,9 +31,9 @@ import torchloom as tl
 from tests.dist import spawn
 from torchloom import schedules
 from torchloom.runtime.collectives import count_collectives
+from torchloom.schedules import ScheduleConfig
 from torchloom.schedules.hf_plan import from_hf_plan, tp_plan_of
 from torchloom.schedules.llama import schedule_llama
-from torchloom.schedules import ScheduleConfig
 
 LAYERS = 2
 DENSE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

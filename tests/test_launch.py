@@ -20,8 +20,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 import torchloom as tl
-from torchloom.runtime import launch
 from torchloom.core.errors import CollectiveTimeoutError, RankFailedError
+from torchloom.runtime import launch
 
 TIMEOUT_S = 3.0
 

@@ -19,11 +19,11 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom import schedules
-from torchloom.graph import tracing
-from torchloom.core.errors import BuildError, TraceError
-from torchloom.runtime.pipeline_split import split_stages, tied_weights
 from tests.test_defaults import LAYERS, batch, default_model
+from torchloom import schedules
+from torchloom.core.errors import BuildError, TraceError
+from torchloom.graph import tracing
+from torchloom.runtime.pipeline_split import split_stages, tied_weights
 
 
 def meta_model(name: str) -> nn.Module:

@@ -17,10 +17,10 @@ from torch import nn
 
 import torchloom as tl
 from torchloom import schedules
-from torchloom.schedules import zoo
 from torchloom.core.errors import ScheduleError
-from torchloom.tools.testing import verify_recipe_roundtrip
 from torchloom.core.marks import COMPILED, has_mark
+from torchloom.schedules import zoo
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 # Config overrides that turn off the dropout the modules hold as float attributes.
 NO_DROPOUT = {"opt": {"dropout": 0.0, "attention_dropout": 0.0}, "t5": {"dropout_rate": 0.0},

@@ -18,10 +18,9 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom.schedules import zoo
-from torchloom.runtime.collectives import count_collectives
 from torchloom.core.errors import ScheduleError
-from torchloom.schedules import apply_schedule
+from torchloom.runtime.collectives import count_collectives
+from torchloom.schedules import apply_schedule, zoo
 
 LAYERS = 2  # every tiny zoo model has two layers per stack
 TOL = {"rtol": 1e-5, "atol": 1e-5}

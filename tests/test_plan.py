@@ -20,12 +20,12 @@ from typer.testing import CliRunner
 
 import torchloom as tl
 from torchloom import schedules
-from torchloom.schedules import zoo
-from torchloom.plan import Layout, PlanError, Profile, get_profile, model_spec, predict, search
 from torchloom.apps.plan_cli import app, train_command
+from torchloom.plan import Layout, PlanError, Profile, get_profile, model_spec, predict, search
 from torchloom.plan.predict import units_for
 from torchloom.plan.units import UnitKey, extrapolate, flop_counter, measure_units
 from torchloom.plan.validate import check_prediction, measure_rank
+from torchloom.schedules import zoo
 
 SEQ = 32
 

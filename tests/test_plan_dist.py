@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from torchloom.runtime.launch import raise_first_failure, run_ranks
 from torchloom.plan import Layout, predict
 from torchloom.plan.validate import check_prediction, measure_many
+from torchloom.runtime.launch import raise_first_failure, run_ranks
 
 SEQ = 32
 

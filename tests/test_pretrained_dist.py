@@ -24,8 +24,8 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from torchloom.schedules import apply_schedule
 from torchloom.runtime.parallel import init_mesh
+from torchloom.schedules import apply_schedule
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 _DIR = "TORCHLOOM_TEST_PRETRAINED_DIR"

@@ -12,8 +12,8 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.tools.testing import verify_recipe_roundtrip
 from torchloom.core.marks import CHECKPOINTED, FORK_RNG, has_mark
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 class TanhGelu(nn.Module):

@@ -15,8 +15,8 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from torchloom.tools.testing import verify_recipe_roundtrip
 from torchloom.core.marks import SYNCS, get_mark
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 
 def _fake_world(node: tl.Schedule, world_size: int, rank: int) -> None:

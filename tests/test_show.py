@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 
 import torchloom as tl
-from torchloom.schedules import zoo
 from torchloom.apps.cli import apply_demo_schedule
 from torchloom.core.show import render_tree, rich_tree
+from torchloom.schedules import zoo
 
 
 def gpt2_schedule(n_layer: int = 4) -> tl.Schedule:

@@ -19,8 +19,8 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom.runtime import state as S
 from torchloom.core.meta import ShardSpec, get_meta
+from torchloom.runtime import state as S
 
 
 def gpt2(seed: int = 0, **overrides) -> transformers.GPT2LMHeadModel:

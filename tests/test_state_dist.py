@@ -27,9 +27,9 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from torchloom.runtime.launch import free_port as _free_port
 from tests.test_tp_models_dist import _batch, gpt2, tp_gpt2
 from torchloom.runtime import state as S
+from torchloom.runtime.launch import free_port as _free_port
 
 # The workers are forked (each sets torch.set_num_threads(1), see ENVIRONMENT.md): they
 # inherit the imported modules instead of importing torch and transformers again, which

@@ -26,10 +26,10 @@ from torch import nn
 import torchloom as tl
 from tests.dist import spawn
 from torchloom.runtime.collectives import count_collectives
+from torchloom.schedules import ScheduleConfig
 from torchloom.schedules.bert import schedule_bert
 from torchloom.schedules.gpt2 import schedule_gpt2, split_qkv_per_rank
 from torchloom.schedules.llama import schedule_llama
-from torchloom.schedules import ScheduleConfig
 
 WORLD = 2
 LAYERS = 2

@@ -14,10 +14,10 @@ from torch import nn
 import torchloom as tl
 from tests import tiny
 from torchloom.core.errors import PathError, TraceError, TraceGuardError
-from torchloom.tools.testing import verify_recipe_roundtrip
+from torchloom.core.marks import CHECKPOINTED, FORK_RNG, SYNCS, get_mark, has_mark
 from torchloom.graph.graph_module import is_traced
 from torchloom.graph.guards import is_guard
-from torchloom.core.marks import CHECKPOINTED, FORK_RNG, SYNCS, get_mark, has_mark
+from torchloom.tools.testing import verify_recipe_roundtrip
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

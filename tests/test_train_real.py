@@ -33,9 +33,9 @@ from typer.testing import CliRunner
 
 import torchloom as tl
 from torchloom.apps import data
-from torchloom.schedules import zoo
 from torchloom.apps import train as T
 from torchloom.apps.cli import app
+from torchloom.schedules import zoo
 
 LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)")
 EVAL = re.compile(r"^eval\s+step\s+(\d+)\s+loss (\S+)")

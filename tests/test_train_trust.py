@@ -19,9 +19,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from torchloom.runtime import launch, state as S
 from torchloom.apps import train as T
 from torchloom.apps.cli import app
+from torchloom.runtime import launch
+from torchloom.runtime import state as S
 
 BASE = ["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--save-every", "1",
         "--threads", "1"]

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 import torchloom as tl
 from tests.test_tune import Synthetic, schedule, tiny_model
-from torchloom.tune import Database, Space, Tuner, point_key
 from torchloom.core.errors import TuneDatabaseError, TuneError
+from torchloom.tune import Database, Space, Tuner, point_key
 from torchloom.tune.fingerprint import study_fingerprint
 
 

@@ -8,16 +8,15 @@ run (forward or backward). One process-group launch runs every case; all ranks m
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
 from tests.test_tp_models_dist import CASES, gpt2, gpt2_attention_split
-from torchloom.schedules._common import column, row
 from tests.test_verify import UnseededCheckpoint
 from torchloom.runtime import collectives as C
+from torchloom.schedules._common import column, row
 
 WORLD = 2
 
@@ -125,7 +124,7 @@ def _run_correct(rank: int) -> None:
     sch = tl.create_schedule(model)
     with tl.Verify(sch, _inputs()):
         gpt2_tp(sch)
-    for name, make, schedule, sp, _ in CASES:
+    for _name, make, schedule, sp, _ in CASES:
         sch = tl.create_schedule(make())
         with tl.Verify(sch, _inputs()):
             schedule(sch, sp)

@@ -20,33 +20,40 @@ from .graph import tracing
 from .runtime import parallel, pipeline
 
 models = schedules  # the package's name before 0.2: tl.models.apply_schedule still works
-from .runtime.build import build
-from .runtime.materialise import init_empty_weights
-from .tools.check import CheckReport, Finding, check
 from .core.errors import (
     AnnotateError,
     BuildError,
     CheckpointError,
+    CollectiveShapeError,
     CompileError,
     FuseError,
     PathError,
     PatternError,
+    PretrainedError,
+    RankFailedError,
     RecipeError,
     ReplaceError,
     RngError,
     ScheduleError,
+    ScheduleMismatchError,
     ShardError,
     SyncError,
     TraceError,
     TraceGuardError,
 )
 from .core.meta import ShardSpec, get_meta, shard_spec
+from .core.recipe import Recipe, RecipeEntry, apply_recipe
+from .core.schedule import Schedule, ScheduleGroup, create_schedule
 from .graph.pattern import Match, ModulePattern, Pattern
 from .primitives import list_primitives
-from .core.recipe import Recipe, RecipeEntry, apply_recipe
-from .runtime.rng import set_random_seed
-from .core.schedule import Schedule, ScheduleGroup, create_schedule
 from .runtime import state
+from .runtime.agree import check_ranks_agree
+from .runtime.build import build
+from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
+from .runtime.materialise import init_empty_weights
+from .runtime.pretrained import save_pretrained
+from .runtime.process_group import init_distributed
+from .runtime.rng import set_random_seed
 from .runtime.state import (
     Checkpoint,
     CheckpointIOError,
@@ -56,16 +63,9 @@ from .runtime.state import (
     load,
     save,
 )
-from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
-from .runtime.process_group import init_distributed
-from .tools.verify import VerificationError, Verify
-from .core.errors import PretrainedError
-from .runtime.pretrained import save_pretrained
-from .core.errors import ScheduleMismatchError
-from .runtime.agree import check_ranks_agree
-from .core.errors import CollectiveShapeError, RankFailedError
 from .runtime.weights import load_weights
-
+from .tools.check import CheckReport, Finding, check
+from .tools.verify import VerificationError, Verify
 
 
 def __getattr__(name: str) -> object:

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import torchloom as tl
-from torchloom.runtime import state as S
-from torchloom.core.errors import ScheduleError
 from torchloom.apps.train import TrainConfig, check_config
+from torchloom.core.errors import ScheduleError
+from torchloom.runtime import state as S
 
 
 def _model() -> nn.Module:

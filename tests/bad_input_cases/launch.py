@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torchloom.runtime import launch
 from torchloom.core.errors import RankFailedError, ScheduleError
+from torchloom.runtime import launch
 
 
 def _noop(rank: int) -> None:

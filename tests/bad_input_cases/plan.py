@@ -3,8 +3,8 @@ model, unknown profiles, dtypes and models, degrees that do not cover the GPUs."
 
 from __future__ import annotations
 
-from torchloom.plan import Layout, PlanError, check_model, get_profile, model_spec, predict
 from torchloom.apps.plan_cli import _degrees
+from torchloom.plan import Layout, PlanError, check_model, get_profile, model_spec, predict
 
 
 def plan_sp_without_tp():

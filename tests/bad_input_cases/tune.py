@@ -13,10 +13,10 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from torchloom.tune import Database, TrialRecord
 from torchloom.apps.tune_cli import check_arguments
-from torchloom.tune.database import APPLICATION_ID
 from torchloom.core.errors import TuneDatabaseError, TuneError
+from torchloom.tune import Database, TrialRecord
+from torchloom.tune.database import APPLICATION_ID
 
 
 def _ours(tmp_path: Path) -> Path:

@@ -51,10 +51,9 @@ Variants run interleaved, one step each per round, in an order that rotates ever
 round; the medians over rounds are reported. On CUDA the steps run under bf16 autocast,
 are timed with synchronisation, and ``torch.cuda.max_memory_allocated`` is reported too.
 
->>> cfg = SIZES["tiny"]["gpt2"]
->>> cfg.seq_len, cfg.overrides["n_layer"]
-(32, 2)
->>> SIZES["gpu"]["llama"].seq_len, SIZES["gpu"]["llama"].ckpt_ratios   # torchloom bench --size gpu
+>>> SIZES["tiny"], zoo.list_models(SIZES["tiny"].zoo_size)   # torchloom bench --size tiny
+(ModelSize(zoo_size='bench-tiny', seq_len=32, ckpt_ratios=None), ['bert', 'gpt2', 'llama'])
+>>> SIZES["gpu"].seq_len, SIZES["gpu"].ckpt_ratios   # torchloom bench --size gpu
 (1024, (0.0, 0.5, 1.0))
 >>> largest_batch(lambda b: 1000 + 300 * b, budget=2500, max_batch=64)
 5
@@ -79,6 +78,7 @@ from ..core.marks import CHECKPOINTED, has_mark
 from .. import schedules
 from ..schedules import zoo
 from ..runtime.build import build
+from ..runtime.loop import train_step
 from ..plan.profiles import matmul_rate, sync as _sync
 from ..core.schedule import create_schedule
 from ..runtime.memory import count_saved
@@ -99,45 +99,23 @@ VARIANTS = ("eager", "compile", "torchloom")
 
 @dataclass(frozen=True)
 class ModelSize:
-    """A zoo model's config overrides and sequence length for one bench size."""
+    """A bench size: the zoo size of its models (:mod:`torchloom.schedules.zoo`) and the
+    sequence length they are trained at."""
 
-    overrides: dict[str, Any]
+    zoo_size: str
     seq_len: int
     ckpt_ratios: tuple[float, ...] | None = None
     """The checkpoint ratios whose batch is fitted (None: every ``k / layers``); a shorter
     grid keeps a large size's run short (each ratio is compiled and counted twice)."""
 
 
-SIZES: dict[str, dict[str, ModelSize]] = {
-    # For tests: builds and compiles in seconds.
-    "tiny": {
-        "gpt2": ModelSize({"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64}, 32),
-        "bert": ModelSize({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
-                           "intermediate_size": 256, "max_position_embeddings": 64}, 32),
-        "llama": ModelSize({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
-                            "num_key_value_heads": 2, "intermediate_size": 172,
-                            "max_position_embeddings": 64}, 32),
-    },
-    # What one would train on a CPU: about 13M parameters (byte vocabulary), 256 tokens.
-    "bench": {
-        "gpt2": ModelSize({"n_layer": 4, "n_embd": 512, "n_head": 8, "n_positions": 256}, 256),
-        "bert": ModelSize({"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
-                           "intermediate_size": 2048, "max_position_embeddings": 256}, 256),
-        "llama": ModelSize({"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
-                            "num_key_value_heads": 8, "intermediate_size": 1376,
-                            "max_position_embeddings": 256}, 256),
-    },
-    # One GPU (``--device cuda``, bf16 autocast): about 300M parameters, 1024 tokens, real
-    # vocabularies; 4 layers keep whole-model compilation short, the width and the batch
-    # (``--max-batch 64``, a budget of tens of GiB) fill the device.
-    "gpu": {
-        "gpt2": ModelSize({"n_layer": 4, "n_embd": 2048, "n_head": 16, "n_positions": 1024,
-                           "vocab_size": 50257}, 1024, (0.0, 0.5, 1.0)),
-        "llama": ModelSize({"num_hidden_layers": 4, "hidden_size": 2048,
-                            "num_attention_heads": 16, "num_key_value_heads": 8,
-                            "intermediate_size": 5504, "max_position_embeddings": 1024,
-                            "vocab_size": 32000}, 1024, (0.0, 0.5, 1.0)),
-    },
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize("bench-tiny", 32),  # for tests: builds and compiles in seconds
+    "bench": ModelSize("bench", 256),  # what one would train on a CPU: about 13M parameters
+    # One GPU (``--device cuda``, bf16 autocast): about 300M parameters, real vocabularies;
+    # 4 layers keep whole-model compilation short, the width and the batch (``--max-batch
+    # 64``, a budget of tens of GiB) fill the device.
+    "gpu": ModelSize("gpu", 1024, (0.0, 0.5, 1.0)),
 }
 
 
@@ -146,7 +124,7 @@ class BenchConfig:
     """What ``torchloom bench`` runs (see the module docstring).
 
     Attributes:
-        models: zoo names, each a key of ``SIZES[size]``.
+        models: zoo names, each with the size's zoo size.
         size: a key of :data:`SIZES`.
         steps: timed rounds (one step of each variant per round).
         budget_bytes: the activation-memory budget.
@@ -217,9 +195,8 @@ def measure_peak_flops(device: torch.device | str = "cpu", size: int | None = No
 def _make(name: str, size: str, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """The zoo model, constructed (and initialised) on ``device``: a large model is not
     initialised on the CPU first; ``"meta"`` allocates nothing."""
-    spec = _size(name, size)
     with torch.device(device):
-        return zoo.make_model(name, "small", seed=seed, **spec.overrides)
+        return zoo.make_model(name, _size(name, size).zoo_size, seed=seed)
 
 
 def _size(name: str, size: str) -> ModelSize:
@@ -227,12 +204,13 @@ def _size(name: str, size: str) -> ModelSize:
         raise CliOptionError(f"unknown bench size {size!r}; sizes: {', '.join(SIZES)}",
                             primitive="torchloom bench", values={"size": size},
                             fix="--size bench")
-    if name not in SIZES[size]:
+    models = zoo.list_models(SIZES[size].zoo_size)
+    if name not in models:
         raise CliOptionError(
-            f"torchloom bench has no {name!r} model; it has {', '.join(SIZES[size])}",
+            f"torchloom bench has no {name!r} model; it has {', '.join(models)}",
             primitive="torchloom bench", values={"model": name},
-            fix=f"--models {','.join(SIZES[size])}")
-    return SIZES[size][name]
+            fix=f"--models {','.join(models)}")
+    return SIZES[size]
 
 
 def _layers(model: nn.Module, name: str) -> list[nn.Module]:
@@ -293,10 +271,10 @@ class _Saved:
         return max([self.forward, *(b + layer_bytes for b in self.before_ckpt)])
 
 
-def _count(model: nn.Module, name: str, step: Callable[[], torch.Tensor],
-           hooks: bool = True) -> tuple[_Saved, torch.Tensor]:
-    """Run ``step`` (a forward returning the loss) counting saved bytes; return the counts
-    and the loss (the caller runs backward, outside the hooks)."""
+def _count(model: nn.Module, name: str, step: Callable[[], torch.Tensor], into: list[_Saved],
+           hooks: bool = True) -> torch.Tensor:
+    """Run ``step`` (a forward returning the loss) counting saved bytes; append the counts
+    to ``into`` and return the loss (the caller runs backward, outside the hooks)."""
     handles = []
     layer_bytes: list[int] = []
     before_ckpt: list[int] = []
@@ -325,7 +303,8 @@ def _count(model: nn.Module, name: str, step: Callable[[], torch.Tensor],
         finally:
             for handle in handles:
                 handle.remove()
-    return _Saved(saved.total, layer_bytes, before_ckpt), loss
+    into.append(_Saved(saved.total, layer_bytes, before_ckpt))
+    return loss
 
 
 def _loss(model: Callable[..., Any], inputs: dict[str, torch.Tensor],
@@ -372,9 +351,7 @@ def _fit(name: str, size: str, cfg: BenchConfig, device: torch.device) -> tuple[
         for batch in _FIT_BATCHES:
             _reset_compiled()  # static shapes at each batch, as in the timed run
             inputs = _inputs(name, model, batch, seq_len, cfg.seed, device)
-            saved, loss = _count(model, name, functools.partial(_loss, model, inputs, device))
-            del loss
-            counts[ratio].append(saved)
+            _count(model, name, functools.partial(_loss, model, inputs, device), counts[ratio])
         del model
     plain = counts[0.0]
     layer = _affine(max(plain[0].layers), max(plain[1].layers))
@@ -501,10 +478,7 @@ class _Variant:
 def _step(v: _Variant, inputs: dict[str, torch.Tensor], device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
-    loss = _loss(v.call, inputs, device)
-    loss.backward()
-    v.optimizer.step()
-    v.optimizer.zero_grad(set_to_none=True)
+    train_step(functools.partial(_loss, v.call, inputs, device), v.optimizer, read_loss=False)
     _sync(device)
     return time.perf_counter() - start
 
@@ -574,19 +548,16 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             whole = v.name == "compile" or (v.name == "torchloom" and chosen.scope == "whole")
-            saved, loss = _count(v.model, name, functools.partial(_loss, v.call, inputs, device),
-                                 hooks=not whole)
-            loss.backward()
-            del loss
-            v.optimizer.step()
-            v.optimizer.zero_grad(set_to_none=True)
+            forward, counted = functools.partial(_loss, v.call, inputs, device), []
+            train_step(functools.partial(_count, v.model, name, forward, counted, hooks=not whole),
+                       v.optimizer, read_loss=False)  # backward outside the counting hooks
             if device.type == "cuda":
                 v.cuda_peak = torch.cuda.max_memory_allocated(device)
-            v.saved = saved
+            v.saved = counted[0]
             # Recomputing a checkpointed layer saves what one layer of the schedule saves
             # when not checkpointed, at this batch (counted exactly at batch 2 and 3;
             # affine in the batch).
-            v.peak_bytes = saved.peak(layer_at(v.batch))
+            v.peak_bytes = v.saved.peak(layer_at(v.batch))
 
         # Timed rounds: one step per variant, order rotating each round.
         for r in range(cfg.steps):

@@ -51,6 +51,7 @@ from . import data
 from ..schedules import zoo
 from .cli_errors import clean_errors as _clean_errors
 from ..runtime.build import build
+from ..runtime.loop import lr_at, train_step
 from ..primitives import list_primitives
 from ..core.schedule import Schedule, create_schedule
 from ..core.show import rich_tree
@@ -115,15 +116,6 @@ def _default_threads() -> tuple[int, str]:
     return threads, f"{cores} cores, load {load:.1f}; --threads {cores} to use all"
 
 
-def _lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over the first 10% of the steps, then cosine decay to 10% of peak."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @app.command()
 @_clean_errors
 def demo(
@@ -169,6 +161,10 @@ def demo(
     window_start, window_tokens = time.perf_counter(), 0
     model.train()
 
+    def batch_loss() -> torch.Tensor:
+        input_ids, labels = next(batches)
+        return model(input_ids=input_ids, labels=labels).loss
+
     progress = Progress(
         TextColumn("[bold blue]training"),
         BarColumn(),
@@ -183,16 +179,8 @@ def demo(
     with progress:
         task = progress.add_task("train", total=steps, loss="-", speed="-")
         for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, steps, lr)
-            input_ids, labels = next(batches)
-            loss = model(input_ids=input_ids, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            losses.append(loss.item())
+            loss, _ = train_step(batch_loss, optimizer, lr=lr_at(step, steps, lr), clip=1.0)
+            losses.append(loss)
             window_tokens += tokens_per_step
             now = time.perf_counter()
             speed = (step + 1) * tokens_per_step / (now - started)

@@ -41,6 +41,7 @@ a step from ``(seed, step)`` alone, :func:`eval_windows` takes consecutive windo
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -50,6 +51,8 @@ from typing import Any
 import torch
 
 from ..core.errors import DataError
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BYTES", "VOCAB_SIZE", "DataError", "batches", "eval_windows",
            "has_tokenizer", "load_corpus", "load_tokenizer", "source_files", "split",
@@ -96,7 +99,8 @@ def load_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     for path in source_files():
         try:
             data = path.read_bytes()
-        except OSError:
+        except OSError as exc:  # a standard-library file this user cannot read: skip it
+            _log.warning("skipping %s: %s", path, exc)
             continue
         chunks.append(data[: max_bytes - size])
         size += len(chunks[-1])

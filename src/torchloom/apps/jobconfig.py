@@ -20,7 +20,7 @@ output; its weights are loaded and its tokenizer, if any, tokenises ``--data``),
 >>> TrainConfig(lr=-1.0)
 Traceback (most recent call last):
 ...
-torchloom.apps.jobconfig.TrainOptionError: torchloom train(...): --lr -1.0: the peak learning rate must be a positive number
+torchloom.core.errors.TrainOptionError: torchloom train(...): --lr -1.0: the peak learning rate must be a positive number
     values: lr=-1.0
     fix: --lr 0.001 (in a TOML file: lr = 0.001)
 >>> import tempfile, os

@@ -36,13 +36,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .cli_errors import clean_errors
 from ..core.errors import PlanError
 from ..plan.layout import Layout
 from ..plan.predict import Prediction, predict
 from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
 from ..plan.search import SearchResult, search
 from ..plan.spec import ModelSpec, model_spec
+from .cli_errors import clean_errors
 
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
            "plot_roles"]
@@ -388,8 +388,13 @@ def plan_command(
             plot_roles(pred, plot)
             console.print(f"wrote {plot}")
     else:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
-            TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         space: dict[str, Any] = dict(common, tp=tp, pp=pp, dp=dp, dp_mode=dp_mode, sp=sp,
                                      pipeline_schedule=pipeline_schedule)

@@ -32,7 +32,8 @@ A step: ``grad_accum`` forward/backward micro-steps (DDP / FSDP2 synchronise onl
 last one), the mean loss checked for NaN or infinity (a :class:`NonFiniteLossError`
 naming the step, raised before the step's optimizer update and before any checkpoint of
 it is written), the global gradient norm clipped (``clip_grad``: over every
-tensor-parallel shard, FSDP2 shard and pipeline stage), then AdamW. With ``dtype="bf16"``
+tensor-parallel shard, FSDP2 shard and pipeline stage), then AdamW (the step of every
+command, :func:`torchloom.runtime.loop.train_step`). With ``dtype="bf16"``
 the forward runs under bf16 autocast (FSDP2: ``MixedPrecisionPolicy``).
 
 A checkpoint also holds the run's configuration (:data:`RUN_FIELDS` and the schedule's
@@ -57,6 +58,7 @@ itself (gloo, local).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -75,6 +77,7 @@ from .. import schedules
 from ..schedules import zoo
 from ..core.outputs import no_cache_kwargs
 from ..runtime.build import build
+from ..runtime.loop import lr_at, train_step
 from ..runtime.materialise import init_empty_weights
 from ..runtime.collectives import guard_collective
 from ..core.errors import ScheduleError
@@ -103,26 +106,6 @@ Report = Callable[[dict[str, Any]], None]
 
 
 # --------------------------------------------------------------------------- schedule of a step
-
-
-def lr_at(step: int, steps: int, peak: float, *, warmup: int | None = None,
-          decay: str = "cosine", min_ratio: float = 0.1) -> float:
-    """The learning rate of (0-based) ``step``: linear warm-up over ``warmup`` steps (None:
-    10% of ``steps``, at least 1), then ``cosine`` or ``linear`` decay to ``min_ratio *
-    peak`` at the last step, or ``constant``.
-
-    >>> round(lr_at(0, 100, 1.0), 3), round(lr_at(99, 100, 1.0), 3)
-    (0.1, 0.1)
-    """
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if decay == "constant":
-        return peak
-    progress = (step - warmup) / max(1, steps - warmup)
-    if decay == "linear":
-        return peak * (min_ratio + (1 - min_ratio) * (1 - progress))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -879,19 +862,17 @@ class _Run:
         losses: list[float] = []
         evals: dict[int, float] = {}
         tokens_per_step = cfg.batch_size * cfg.seq_len
+        step_fn = self.pipeline_step if cfg.pp > 1 else self.step
         started = time.perf_counter()
         model.train()
         try:
             for step in range(first, last + 1):
                 self.seed_step(step)
-                for group in optimizer.param_groups:
-                    group["lr"] = _lr(cfg, step)
-                value = self.pipeline_step(model, step) if cfg.pp > 1 else \
-                    self.step(model, step)
-                _check_finite(value, step, optimizer, cfg, self.checkpoint)
-                norm = self.clip(params, tied)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                value, norm = train_step(
+                    functools.partial(step_fn, model, step), optimizer, lr=_lr(cfg, step),
+                    clip=lambda: self.clip(params, tied), check=functools.partial(
+                        _check_finite, step=step, optimizer=optimizer, cfg=cfg,
+                        checkpoint=self.checkpoint))
                 losses.append(value)
                 speed = (step - first + 1) * tokens_per_step / (time.perf_counter() - started)
                 mfu = (speed * flops_per_token / (peak * self.world)

@@ -26,11 +26,10 @@ Exit status: 0 when a candidate fits, 1 when none does, 2 on bad input, 130 on C
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -40,13 +39,12 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..schedules import zoo
-from ..core.errors import ScheduleError
+from ..core.errors import ScheduleError, TuneDatabaseError, TuneError
 from ..core.schedule import Schedule
-from ..tune.database import TrialRecord, check_database_path
-from ..core.errors import TuneDatabaseError, TuneError
-from ..tune.evaluate import TrainEvaluator
 from ..runtime.memory import CostModel, fake_mode
+from ..schedules import zoo
+from ..tune.database import TrialRecord, check_database_path
+from ..tune.evaluate import TrainEvaluator
 from ..tune.plot import plot_space
 from ..tune.space import Point, Space
 from ..tune.strategies import make_strategy

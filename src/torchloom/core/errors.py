@@ -89,14 +89,15 @@ class ScheduleError(Exception):
             lines.append(f"    fix: {self.fix}")
         return "\n".join(lines)
 
-    def __reduce__(self):  # keep errors picklable across processes
+    def __reduce__(self) -> tuple[Any, ...]:  # keep errors picklable across processes
         return (
             _rebuild_error,
             (type(self), self.problem, self.path, self.primitive, self.values, self.fix),
         )
 
 
-def _rebuild_error(cls, problem, path, primitive, values, fix):  # noqa: ANN001, ANN202
+def _rebuild_error(cls: type[ScheduleError], problem: str, path: str | None, primitive: str | None,
+                   values: dict[str, Any], fix: str | None) -> ScheduleError:
     return cls(problem, path=path, primitive=primitive, values=values, fix=fix)
 
 

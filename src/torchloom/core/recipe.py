@@ -55,7 +55,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def _is_dotted(text: Any) -> bool:
+def _is_dotted(text: Any) -> TypeGuard[str]:
     return isinstance(text, str) and bool(text) and all(
         part.isidentifier() and not keyword.iskeyword(part) for part in text.split("."))
 
@@ -767,7 +767,8 @@ def _literal(node: ast.expr, imports: set[str], resolve: Callable[[str], Any],
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and \
             isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
-        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+        value = cast(float, node.operand.value)  # an int or a float (checked above)
+        return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.List):
         return [_literal(e, imports, resolve, depth + 1) for e in node.elts]
     if isinstance(node, ast.Tuple):
@@ -844,7 +845,7 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
                 raise _Refused("*args and **kwargs are not recipe arguments", {},
                                "write each argument out")
             args = [_literal(a, imports, resolve) for a in call.args]
-            kwargs = {k.arg: _literal(k.value, imports, resolve) for k in call.keywords}
+            kwargs = {cast(str, k.arg): _literal(k.value, imports, resolve) for k in call.keywords}
             _check_fields(target.attr, node.slice.value, args, kwargs)
         except _Refused as exc:
             raise _script_error(line, exc.problem, exc.values, exc.fix) from None
@@ -865,11 +866,10 @@ def _check_call(entry: RecipeEntry) -> Callable[..., Any]:
     for value in (*entry.args, *entry.kwargs.values()):
         _check_depth(value)
     from .registry import PRIMITIVES
-    from .schedule import Schedule
 
-    method = vars(Schedule)[PRIMITIVES[entry.primitive].name]
-    signature = inspect.signature(method)
-    params = [p for p in list(signature.parameters.values())[1:]
+    prim = PRIMITIVES[entry.primitive]
+    signature = prim.signature
+    params = [p for p in signature.parameters.values()
               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     valid = [p.name for p in params if p.kind is not p.POSITIONAL_ONLY]
@@ -881,26 +881,14 @@ def _check_call(entry: RecipeEntry) -> Callable[..., Any]:
             f"use one of {', '.join(valid)}" if valid
             else f"{entry.primitive}() takes no keywords: remove {unknown[0]!r}")
     try:
-        signature.bind(None, *entry.args, **entry.kwargs)
+        signature.bind(*entry.args, **entry.kwargs)
     except TypeError as exc:
         raise _Refused(
-            f"the arguments do not fit {entry.primitive}{_signature_text(signature)}: {exc}",
+            f"the arguments do not fit {entry.primitive}{prim.signature_text()}: {exc}",
             {"primitive": entry.primitive, "args": len(entry.args),
              "kwargs": sorted(entry.kwargs)},
-            f"call it as sch[path].{entry.primitive}{_signature_text(signature)}") from None
-    return method
-
-
-def _signature_text(signature: inspect.Signature) -> str:
-    """``(a, b, c=1, *, d=False)``: the parameters after ``self``, without annotations."""
-    parts: list[str] = []
-    for p in list(signature.parameters.values())[1:]:
-        if p.kind is p.KEYWORD_ONLY and not any(x.startswith("*") for x in parts):
-            parts.append("*")
-        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
-        default = "" if p.default is p.empty else f"={p.default!r}"
-        parts.append(f"{prefix}{p.name}{default}")
-    return f"({', '.join(parts)})"
+            f"call it as sch[path].{entry.primitive}{prim.signature_text()}") from None
+    return lambda target, *args, **kwargs: prim.call(target, args, kwargs)
 
 
 def apply_recipe(model: nn.Module, recipe: Recipe | str, group: Any = None, *,

@@ -26,8 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import PrimitiveCallError
-from .errors import ScheduleError
+from .errors import PrimitiveCallError, ScheduleError
 from .recipe import RecipeEntry
 from .schedule import Schedule, ScheduleGroup
 
@@ -70,10 +69,21 @@ class Primitive:
             return self.signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise PrimitiveCallError(
-                f"the arguments do not fit {self.name}{self.signature}: {exc}",
+                f"the arguments do not fit {self.name}{self.signature_text()}: {exc}",
                 path=path, primitive=self.name,
                 values={"args": len(args), "kwargs": sorted(kwargs)},
-                fix=f"call it as sch[{path!r}].{self.name}{self.signature}") from None
+                fix=f"call it as sch[{path!r}].{self.name}{self.signature_text()}") from None
+
+    def signature_text(self) -> str:
+        """``(a, b, c=1, *, d=False)``: the parameters without annotations."""
+        parts: list[str] = []
+        for p in self.signature.parameters.values():
+            if p.kind is p.KEYWORD_ONLY and not any(x.startswith("*") for x in parts):
+                parts.append("*")
+            prefix = "*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else ""
+            default = "" if p.default is p.empty else f"={p.default!r}"
+            parts.append(f"{prefix}{p.name}{default}")
+        return f"({', '.join(parts)})"
 
     def canonical(self, sch: Schedule, bound: inspect.BoundArguments
                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:

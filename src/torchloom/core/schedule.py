@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch.distributed as dist
 from torch import nn
 
-from .errors import PrimitiveNameError
-from .errors import BuiltError, NotAModuleError, PathError
+from .errors import BuiltError, NotAModuleError, PathError, PrimitiveNameError
 from .recipe import Recipe
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Schedule", "ScheduleGroup", "create_schedule"]
+__all__ = ["Schedule", "ScheduleGroup", "create_schedule", "join_path"]
 
 _WILDCARD_CHARS = set("*?[")
 
@@ -49,7 +48,8 @@ def _has_wildcard(token: str) -> bool:
     return any(c in _WILDCARD_CHARS for c in token)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` at the root (``prefix == ""``)."""
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -110,7 +110,7 @@ class Schedule:
         # _modules rather than named_children(): a module registered in two slots (the same
         # layer twice in a ModuleList) gets a node per slot, as every slot is addressable.
         self.child = {
-            name: Schedule(sub, name, _join(self.path, name), self, self.group)
+            name: Schedule(sub, name, join_path(self.path, name), self, self.group)
             for name, sub in self.mod._modules.items()
             if sub is not None
         }
@@ -125,7 +125,7 @@ class Schedule:
                 continue
             node = self.child.get(name)
             if node is None:
-                node = Schedule(sub, name, _join(self.path, name), self, self.group)
+                node = Schedule(sub, name, join_path(self.path, name), self, self.group)
             else:
                 node.mod = sub
                 node.sync_children()
@@ -149,7 +149,7 @@ class Schedule:
         """Pre-order ``(relative dotted path, node)`` pairs, this node first as ``prefix``."""
         yield prefix, self
         for name, sub in self.child.items():
-            yield from sub.named_schedules(_join(prefix, name))
+            yield from sub.named_schedules(join_path(prefix, name))
 
     def get_module(self, name: str) -> nn.Module:
         """The sub-module at dotted ``name`` relative to this node (``""`` is ``self.mod``)."""
@@ -188,9 +188,9 @@ class Schedule:
         if not nearest:
             nearest = [p for p in known if p.rpartition(".")[0] == parent_prefix][:5]
         raise PathError(
-            f"no module matches this path (nothing at {_join(self.path, failed_prefix)!r})",
-            path=_join(self.path, path),
-            values={"nearest": [_join(self.path, p) for p in nearest]},
+            f"no module matches this path (nothing at {join_path(self.path, failed_prefix)!r})",
+            path=join_path(self.path, path),
+            values={"nearest": [join_path(self.path, p) for p in nearest]},
             fix="use one of the nearest paths; print(sch) shows the whole tree",
         )
 
@@ -207,7 +207,7 @@ class Schedule:
             )
         nodes = self._resolve(path)
         if any(_has_wildcard(t) for t in path.split(".")):
-            return ScheduleGroup(nodes, pattern=_join(self.path, path))
+            return ScheduleGroup(nodes, pattern=join_path(self.path, path))
         return nodes[0]
 
     def __contains__(self, path: object) -> bool:
@@ -315,7 +315,7 @@ class ScheduleGroup:
         for node in self.nodes:
             sub = node[path]
             found += sub.nodes if isinstance(sub, ScheduleGroup) else [sub]
-        return ScheduleGroup(found, pattern=_join(self.pattern, path))
+        return ScheduleGroup(found, pattern=join_path(self.pattern, path))
 
     def __repr__(self) -> str:
         return f"ScheduleGroup({self.pattern!r}, {len(self.nodes)} nodes)"

@@ -14,7 +14,6 @@ from ..core.errors import TraceError
 from .guards import CACHE_ARGUMENTS, CACHE_FLAG, is_cache
 from .proxies import _NO_VALUE
 
-
 _SIMPLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -139,9 +139,9 @@ def dummy_inputs(model: nn.Module, batch: int = DUMMY_BATCH,
             inputs["decoder_input_ids"] = ids()
         return inputs
     try:
-        inputs = dict(model.dummy_inputs)
+        inputs = dict(cast("dict[str, Any]", model.dummy_inputs))  # transformers' property
     except Exception:  # noqa: BLE001 - a model without usable dummy inputs
         return None
-    ids = {k: v for k, v in inputs.items() if k.endswith("input_ids")}
-    inputs = ids or inputs  # token ids only: the plain call, without masks
+    token_ids = {k: v for k, v in inputs.items() if k.endswith("input_ids")}
+    inputs = token_ids or inputs  # token ids only: the plain call, without masks
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}

@@ -4,13 +4,16 @@ tensors, computed again on fake tensors (``FakeTensorMode``) where code reads a 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
 
 from ..core.errors import TraceError
 from .guards import _is_fake
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensor
 
 
 class _TraceExit(Exception):
@@ -58,7 +61,7 @@ def value_mode(module: nn.Module | None, example: Any = None) -> Any:
     """
     for t in _tensors(example):
         if _is_fake(t):
-            return t.fake_mode
+            return cast("FakeTensor", t).fake_mode
     tensors = list(_tensors(example))
     if module is not None:
         tensors += [*module.parameters(), *module.buffers()]
@@ -161,7 +164,7 @@ def _tensors_on_meta(module: nn.Module, active: bool) -> Iterator[None]:
         return
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for m in module.modules():
-        for slots in (m._parameters, m._buffers):
+        for slots in cast("tuple[dict[str, Any], ...]", (m._parameters, m._buffers)):
             for name, t in slots.items():
                 if t is None or t.is_meta or _is_fake(t):
                     continue

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch.fx as fx
 from torch import nn
 
 from ..core.marks import LEAF, has_mark
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 
 class TracedGraphModule(fx.GraphModule):
@@ -27,7 +30,7 @@ class TracedGraphModule(fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> TracedGraphModule:
         # fx rebuilds a copied GraphModule keeping only what the graph uses (and turns
         # non-persistent buffers persistent); copy the whole module instead.
-        new = object.__new__(_instance_class(self.traced_from))
+        new: TracedGraphModule = object.__new__(_instance_class(self.traced_from))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         return new
@@ -74,7 +77,7 @@ def _instance_class(original: type) -> type:
     return impl
 
 
-def is_traced(module: nn.Module) -> bool:
+def is_traced(module: nn.Module) -> TypeIs[TracedGraphModule]:
     """Whether ``module`` is a graph made by torchloom's tracer."""
     return isinstance(module, TracedGraphModule)
 
@@ -91,7 +94,8 @@ def _has_hooks(module: nn.Module) -> bool:
     )
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``Conv1D`` (a linear layer stored transposed)."""
     return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
                for c in type(module).__mro__)
 
@@ -115,7 +119,7 @@ def is_leaf(module: nn.Module, path: str = "", leaf_modules: Sequence[str] = ())
     name = type(module).__name__
     if name in leaf_modules or (path and path in leaf_modules):
         return True
-    if _is_conv1d(module):
+    if is_conv1d(module):
         return True
     cls_module = type(module).__module__
     builtin = cls_module.startswith("torch.nn") or cls_module.startswith("torch.ao.nn")

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -289,7 +290,7 @@ def _user_frame() -> str:
     """file:line of the model code that is being traced (for guard messages)."""
     here = os.path.dirname(__file__)
     torch_dir = os.path.dirname(torch.__file__)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(here) and not filename.startswith(torch_dir):

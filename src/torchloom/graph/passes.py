@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from .guards import _guard_cache, _train_only, is_guard
 
-
 _DROPOUT_FNS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                 F.feature_alpha_dropout}
 

@@ -58,7 +58,7 @@ import operator
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 import torch.fx as fx
@@ -202,7 +202,7 @@ def _is_torch_builtin(target: Any, name: str) -> bool:
 
 
 def _module_class(module: nn.Module) -> type:
-    return module.traced_from if is_traced(module) else type(module)  # type: ignore[return-value]
+    return module.traced_from if is_traced(module) else type(module)
 
 
 def _module_key(module: nn.Module) -> Any:
@@ -224,14 +224,15 @@ def node_key(node: fx.Node, owner: nn.Module | None) -> Any:
     """
     if node.op == "call_function":
         return _function_key(node.target)
+    target = cast(str, node.target)  # every other op names its target
     if node.op == "call_method":
-        return _ALIASES.get(node.target, node.target)
+        return _ALIASES.get(target, target)
     if node.op == "call_module" and owner is not None:
         try:
-            return _module_key(owner.get_submodule(node.target))
+            return _module_key(owner.get_submodule(target))
         except AttributeError:
-            return ("module", node.target)
-    return (node.op, node.target)
+            return ("module", target)
+    return (node.op, target)
 
 
 def _data_args(node: fx.Node) -> list[fx.Node]:
@@ -356,8 +357,9 @@ class _Matcher:
         orders = [gdata]
         if len(pdata) == 2 and len(gdata) == 2 and self.key(pn) in _COMMUTATIVE:
             orders.append([gdata[1], gdata[0]])
+        result: dict[fx.Node, fx.Node] | None
         for order in orders:
-            result: dict[fx.Node, fx.Node] | None = env
+            result = env
             for pa, ga in zip(pdata, order, strict=True):
                 result = self.match_node(pa, ga, result, taken)
                 if result is None:
@@ -370,15 +372,16 @@ class _Matcher:
         """Whether the two nodes compute the same operation; their data arguments to pair."""
         gdata = _data_args(gn)
         if pn.op == "call_function" and pn.target is call_module:
-            regex = pn.args[0]
-            ok = gn.op == "call_module" and re.search(regex, gn.target) is not None
+            regex = cast(str, pn.args[0])
+            ok = gn.op == "call_module" and re.search(regex, cast(str, gn.target)) is not None
             pdata = _data_args(pn)
             return pdata, gdata, ok and len(pdata) == len(gdata)
-        if pn.op == "call_module" and isinstance(self.p.owner.get_submodule(pn.target),
-                                                 ModulePattern):
-            regex = self.p.owner.get_submodule(pn.target).name_regex
+        if pn.op == "call_module" and isinstance(  # (only a pattern module has an owner)
+                sub := cast(nn.Module, self.p.owner).get_submodule(cast(str, pn.target)),
+                ModulePattern):
+            regex = sub.name_regex
             pdata = _data_args(pn)
-            ok = gn.op == "call_module" and re.search(regex, gn.target) is not None
+            ok = gn.op == "call_module" and re.search(regex, cast(str, gn.target)) is not None
             return pdata, gdata, ok and len(pdata) == len(gdata)
         pdata = _data_args(pn)
         if self.key(pn) != node_key(gn, self.owner):
@@ -431,6 +434,10 @@ def traced_graphs(sch: Schedule) -> list[Schedule]:
     return [node for _, node in sch.named_schedules() if is_traced(node.mod)]
 
 
+def _gm(owner: Schedule) -> fx.GraphModule:
+    return cast(fx.GraphModule, owner.mod)  # a node of traced_graphs()
+
+
 def _relative(sch: Schedule, path: str) -> str:
     if not sch.path:
         return path
@@ -449,7 +456,7 @@ def _make_match(owner: Schedule, env: dict[fx.Node, fx.Node], compiled: _Compile
                 inputs.append(a)
     anchor = env[compiled.outputs[-1]]
     bindings = {k.name: v for k, v in env.items() if k.op in ("placeholder", "get_attr")}
-    return Match(owner.path, nodes, anchor, inputs, bindings, owner.mod, source)
+    return Match(owner.path, nodes, anchor, inputs, bindings, _gm(owner), source)
 
 
 def find(sch: Schedule, pattern: Any, predicate: bool = False) -> list[Match]:
@@ -478,14 +485,14 @@ def find(sch: Schedule, pattern: Any, predicate: bool = False) -> list[Match]:
             ) from None
         for owner in owners:
             prefix = _relative(sch, owner.path)
-            for node in owner.mod.graph.nodes:
+            for node in _gm(owner).graph.nodes:
                 if node.op == "call_module" and \
                         regex.search(f"{prefix}.{node.target}" if prefix else node.target):
                     matches.append(_single(owner, node, source))
         return matches
     if is_predicate:
         for owner in owners:
-            for node in owner.mod.graph.nodes:
+            for node in _gm(owner).graph.nodes:
                 if not is_guard(node) and pattern(node):
                     matches.append(_single(owner, node, source))
         return matches
@@ -499,10 +506,10 @@ def find(sch: Schedule, pattern: Any, predicate: bool = False) -> list[Match]:
     compiled = _compile(pattern, sch.path)
     taken: set[fx.Node] = set()
     for owner in owners:
-        order = {n: i for i, n in enumerate(owner.mod.graph.nodes)}
+        order = {n: i for i, n in enumerate(_gm(owner).graph.nodes)}
         matcher = _Matcher(compiled, owner.mod)
         found = [_make_match(owner, env, compiled, order, source)
-                 for env in matcher.find(owner.mod.graph, taken)]
+                 for env in matcher.find(_gm(owner).graph, taken)]
         matches += sorted(found, key=lambda m: order[m.nodes[0]])
     return matches
 
@@ -512,4 +519,4 @@ def _single(owner: Schedule, node: fx.Node, source: tuple[Any, Any, bool]) -> Ma
     for a in _data_args(node):
         if a not in inputs:
             inputs.append(a)
-    return Match(owner.path, [node], node, inputs, {}, owner.mod, source)
+    return Match(owner.path, [node], node, inputs, {}, _gm(owner), source)

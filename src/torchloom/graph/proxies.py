@@ -12,12 +12,15 @@ from .guards import _guard_is_none, _user_frame
 
 if TYPE_CHECKING:
     from .tracer import _Tracer
+    _ProxyBase = fx.Proxy  # for the checker the mixin is a proxy (it is only mixed into ones)
+else:
+    _ProxyBase = object
 
 
 _NO_VALUE = object()  # the value of a proxy is unknown (tracer="fx")
 
 
-class _ValueMixin:
+class _ValueMixin(_ProxyBase):
     """What a proxy that may carry an example value adds to ``fx.Proxy``."""
 
     tracer: _Tracer

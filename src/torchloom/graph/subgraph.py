@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch.fx as fx
 from torch import nn
 
 from ..core.errors import PatternError, ScheduleError
 from ..core.marks import LEAF, set_mark
-from .pattern import Match, find
 from .passes import clean_graph
+from .pattern import Match, find
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -89,7 +89,7 @@ def _type_name(value: Any) -> str:
 
 def _from_reference(sch: Schedule, ref: dict[str, Any], primitive: str) -> list[Match]:
     at = ref.get("at", sch.path)
-    finder = sch.root[at] if at else sch.root
+    finder = cast("Schedule", sch.root[at]) if at else sch.root  # a recorded node's path
     found = find(finder, ref["pattern"], predicate=bool(ref.get("predicate", False)))
     index = ref.get("index", 0)
     indices = list(index) if isinstance(index, (list, tuple)) else [index]
@@ -206,6 +206,7 @@ def extract(match: Match) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]
     modules: dict[str, nn.Module] = {}
     for node in match.nodes:
         if node.op == "call_module":
+            assert isinstance(node.target, str)
             flat = node.target.replace(".", "_")
             modules[flat] = owner.get_submodule(node.target)
             env[node] = graph.call_module(flat, fx.node.map_arg(node.args, env.__getitem__),
@@ -250,7 +251,7 @@ def splice(
     """
     check_one_graph(sch, matches, primitive, error)
     owner_sch = owner_of(sch, matches[0])
-    gm = owner_sch.mod
+    gm = cast(fx.GraphModule, owner_sch.mod)  # the owner of a match is a traced graph
     graph = gm.graph
     order = _position(graph)
     inside: set[fx.Node] = set()
@@ -330,7 +331,8 @@ def _check_hooks(sch: Schedule, matches: list[Match], primitive: str,
     for m in matches:
         for node in m.nodes:
             if node.op == "call_module":
-                module = m.graph_module.get_submodule(node.target)  # type: ignore[union-attr]
+                assert m.graph_module is not None and isinstance(node.target, str)
+                module = m.graph_module.get_submodule(node.target)
                 if any(getattr(module, a, None) for a in ("_forward_pre_hooks", "_forward_hooks",
                                                           "_backward_hooks",
                                                           "_backward_pre_hooks")):

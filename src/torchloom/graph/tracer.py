@@ -17,8 +17,14 @@ from torch.fx.node import map_aggregate
 
 from ..core.errors import TraceError
 from .binding import _Arg, _dynamic
-from .fake import (_data_dependent, _is_output_mapping, _tensors_on_meta, _TraceExit, meta_values,
-                   on_meta)
+from .fake import (
+    _data_dependent,
+    _is_output_mapping,
+    _tensors_on_meta,
+    _TraceExit,
+    meta_values,
+    on_meta,
+)
 from .guards import (
     _GUARDS,
     CACHE_ARGUMENTS,
@@ -35,7 +41,6 @@ from .guards import (
     layer_index,
 )
 from .proxies import _NO_VALUE, _ValueProxy
-
 
 #: Held while torch.fx traces (in :mod:`torchloom.graph.tracing` and
 #: :mod:`torchloom.graph.pattern`): ``fx.Tracer.trace`` patches ``nn.Module.__call__`` /
@@ -329,7 +334,7 @@ class _Tracer(fx.Tracer):
         if isinstance(value, dict):
             return iter(list(value.keys()))
         n = len(value)
-        return iter([obj[i] for i in range(n)])
+        return iter([obj[i] for i in range(n)])  # type: ignore[index]  # fx adds it at run time
 
     def keys(self, obj: fx.Proxy) -> Any:
         value = self._need_value(obj, "unpacks (**)")

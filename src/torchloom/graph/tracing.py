@@ -5,105 +5,13 @@ holds the public API (``__all__``). The parts live beside it in :mod:`torchloom.
 ``guards``, ``graph_module``, ``proxies``, ``fake`` (tensors without data), ``binding``
 (arguments), ``tracer``, ``passes`` and ``examples`` (example and dummy inputs).
 
-Design
-------
-torchloom traces with :mod:`torch.fx` (the IR is ordinary torch calls: ``call_module`` for
-the modules that stay opaque, ``call_function`` / ``call_method`` for torch and tensor
-operations, ``get_attr`` for parameters), because that IR keeps what the schedule needs:
-the modules that are not traced stay the *same objects* (so their hooks, shard records and
-``state_dict`` keys survive), parameters stay the same ``Parameter`` objects, and patterns
-can be written as plain ``F.gelu(x + b)`` functions.
-
-Plain ``torch.fx.symbolic_trace`` fails on transformers 5 attention modules: they take
-``**kwargs``, unpack shapes (``(*x.shape[:-1], -1, d)``), branch on shapes
-(``q_len > 1``), call ``torch.arange(..., device=x.device)`` and ``torch.finfo(x.dtype)``.
-With ``tracer="auto"`` (the default) torchloom traces with *value-carrying proxies*:
-
-* the module is called once on example inputs (given as ``example_inputs``, or captured by
-  running the root model on :func:`dummy_inputs` made from its config, with a forward
-  pre-hook on the module, stopped as soon as the module is reached); every proxy carries the
-  value the operation produced, so ``len()``, iteration, ``bool()``, ``int()`` and
-  ``**kwargs`` work;
-* sizes stay *symbolic* in the graph (``x.size(1)`` is a node, not a constant), so the graph
-  runs on other batch sizes and sequence lengths;
-* Python control flow that depends on a traced value is *specialised* to the branch the
-  example took, and a guard node is left in the graph: a later call that would take the other
-  branch raises :class:`~torchloom.core.errors.TraceGuardError` (never a silently wrong result);
-* arguments that are not tensors (``None``, flags, numbers, strings) are specialised to the
-  example's value, again with a guard; the graph module's ``forward`` keeps the original
-  signature so an untraced parent can call it exactly as before;
-* torch factory functions (``torch.arange``, ``torch.zeros``, ..., ``torch.finfo``) called
-  with traced arguments become graph nodes, so devices and dtypes are not baked in;
-* the module is traced in training mode, and the dropout calls in the graph
-  (``F.dropout(..., training=True)`` and ``scaled_dot_product_attention(dropout_p=p)``) are
-  rewritten to follow the module's ``training`` flag at run time, so ``model.eval()`` still
-  turns dropout off;
-* the Hugging Face KV cache is traced off (transformers models default to
-  ``use_cache=True``, also in training): a forward with a ``use_cache`` flag is traced with
-  ``use_cache=False`` and its cache arguments (``cache``, ``past_key_values``, ...) as None.
-  At run time ``use_cache`` may be None or False (a traced module never fills or returns a
-  cache). A cache, or ``use_cache=True``, that reaches a traced module in training with
-  gradients is not used, with one warning (as transformers does for a gradient-checkpointed
-  layer), unless it holds past positions for the layer (refused); in eval or without
-  gradients (generation) it is refused by a :class:`~torchloom.core.errors.TraceGuardError`
-  whose fix is ``use_cache=False``, or an untraced copy of the model for generation;
-* on a model with ``meta`` weights (built under ``init_empty_weights``) the values are
-  ``meta`` tensors, computed again on fake tensors (``FakeTensorMode``) where the code reads
-  a value (transformers then skips its data-dependent checks); nothing is allocated. A
-  Python branch on a value computed from the weights cannot be taken (a
-  :class:`~torchloom.core.errors.TraceError` says which line); guards on such values are checked
-  when the built model runs.
-
-``tracer="fx"`` is plain symbolic tracing (no example values, nothing is run): required
-arguments are symbolic, optional ones take their defaults (or ``concrete_args``). It is
-enough for simple modules (MLPs) and never runs the model.
-
-Hierarchy: with ``flatten=False`` every child module is a ``call_module`` node of the
-parent graph; each child that is not a leaf is traced on its own (with the inputs it
-received) into its own nested graph module, recursively. With ``flatten=True`` everything
-down to the leaves is inlined into one graph. The traced graph module keeps *all* the
-original sub-modules, parameters and buffers (used or not) in the original order, with the
-same non-persistent buffers, and the original plain attributes (``config``, ``head_dim``,
-...), so paths, ``named_parameters()`` and ``state_dict()`` keys do not change.
-
-Identity: a traced module is the *same object* as before, changed in place into a graph
-module whose class derives from both :class:`TracedGraphModule` and the original class
-(``forward`` comes from the graph; every other method, property and ``isinstance`` check
-from the original, e.g. ``Sequential.__getitem__`` or transformers' gradient-checkpointing
-``__call__``). References to it (the parent's slot, the model the user holds, schedule
-nodes) stay valid. Nothing is changed if tracing fails. Copies (``copy.deepcopy``) and
-pickles keep the whole module.
-
-Leaves (never traced through): ``torch.nn`` built-ins except containers, transformers
-``Conv1D``, modules whose ``forward`` was replaced on the instance (``checkpoint``,
-``fork_rng``, a row-parallel ``sync``), torchloom's own wrappers, the ``leaf_modules`` given by
-class name or path, and, with ``flatten=True``, any module with hooks (so the hooks keep
-firing). Already traced children are kept as they are.
-
-Why not ``torch.export`` (which also handles transformers 5): it produces ATen IR with
-every module inlined and parameters lifted, so leaves (checkpointed or ``fork_rng``
-modules), hooks on children and parameter identity cannot be kept, patterns would have to be
-written at the ATen level, and the training mode is frozen into the graph.
-
-Limits:
-
-* tracing runs the module on the example values (leaves and their hooks included, in
-  eval mode, with the random state restored afterwards);
-* control flow is specialised (guarded) to the example, loops whose trip count depends on
-  a traced value are unrolled for it, and the extra ``**kwargs`` must be the same keys as in
-  the example call (the auto example is the model's plain ``input_ids`` call: pass
-  ``example_inputs`` for calls with masks, labels or caches);
-* dtypes reached through ``x.dtype`` stay dynamic, but other Python-level decisions of the
-  code (``self.training`` checks other than dropout, layer drop) are taken at trace time;
-* side effects on Python objects happen once at trace time; ``torch.rand`` and friends
-  called without traced arguments become constants;
-* a module called twice is traced for its first call (the guards reject a different
-  second call).
-
-Threads: a trace keeps no state between calls. torch.fx patches ``nn.Module.__call__``
-(and tracing patches ``torch`` factory functions) process-wide while a trace runs, so
-traces run one at a time under :data:`TRACE_LOCK`, and the patches pass calls from other
-threads through untouched: two threads may schedule two models at once.
+Preconditions and limits, in short: tracing runs the module once on example inputs
+(given, or captured from dummy inputs made from the config), so control flow and
+non-tensor arguments are specialised to that call and guarded (a later call that would
+differ raises TraceGuardError); the KV cache is traced off; a model on meta is traced on
+fake tensors. Paths, parameters and state-dict keys do not change, and the traced module
+is the same object. Why torch.fx rather than torch.export, the value-carrying proxies,
+the hierarchy, the leaves, every limit and the thread lock: docs/design/tracing.md.
 
 >>> import torch
 >>> from torch import nn
@@ -128,6 +36,7 @@ from torch import nn
 
 from ..core.errors import TraceError
 from ..core.marks import marks_of, transfer_hooks
+from ..core.schedule import join_path
 from .binding import _bind
 from .examples import dummy_inputs, example_inputs_for
 from .fake import fake_values, meta_values, on_meta, value_mode
@@ -221,10 +130,6 @@ def _trace_fix(path: str, with_values: bool) -> str:
             "pass other example_inputs")
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def trace_module(
     module: nn.Module,
     *,
@@ -282,7 +187,7 @@ def trace_module(
     if fake_mode is not None:  # values without data: meta tensors, fake where code needs it
         example = meta_values(example)
     leaves = tuple(leaf_modules)
-    installs: list[tuple[nn.Module, str, nn.Module, nn.Module, str]] = []
+    installs: list[tuple[nn.Module, str, nn.Module, TracedGraphModule, str]] = []
     with TRACE_LOCK:
         gm = _trace_tree(module, path, example, leaves, flatten, concrete_args, expand,
                          installs, fake_mode)
@@ -327,10 +232,10 @@ def _normalise_example(example: Any, path: str) -> tuple[tuple[Any, ...], dict[s
 def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, ...],
                 flatten: bool, concrete_args: dict[str, Any] | None,
                 expand: Callable[[str], bool] | None,
-                installs: list[tuple[nn.Module, str, nn.Module, nn.Module, str]],
+                installs: list[tuple[nn.Module, str, nn.Module, TracedGraphModule, str]],
                 fake_mode: Any = None) -> TracedGraphModule:
     def relative_leaf(m: nn.Module, qualified: str) -> bool:
-        full = _join(path, qualified)
+        full = join_path(path, qualified)
         if is_leaf(m, full, leaves) or qualified in leaves:
             return True
         if is_traced(m) and not flatten:
@@ -347,7 +252,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
                 continue
             target = node.target
             child = module.get_submodule(target)
-            child_path = _join(path, target)
+            child_path = join_path(path, target)
             if is_leaf(child, child_path, leaves) or target in leaves or is_traced(child):
                 continue
             if expand is not None and not expand(child_path):
@@ -363,7 +268,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
     tracer.values.clear()
     tracer.calls.clear()
     gm = _finish_module(module, graph, tracer.constants)
-    installs.extend((gm, target, child, traced, _join(path, target))
+    installs.extend((gm, target, child, traced, join_path(path, target))
                     for target, child, traced in children)
     return gm
 

@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.errors import OpsError
-from ..core.errors import ReplaceError
+from ..core.errors import OpsError, ReplaceError
 
 __all__ = [
     "OpsError",

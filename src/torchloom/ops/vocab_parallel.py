@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime import collectives as C
 from ..core.errors import ShardError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..runtime import collectives as C
 
 __all__ = [
     "VocabParallelEmbedding",

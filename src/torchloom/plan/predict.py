@@ -7,34 +7,8 @@ fake tensors as rank 0 of a fake process group of the layout's tensor-parallel a
 degrees) and composes, for one representative rank of every distinct role (each
 pipeline stage; the tensor- and data-parallel ranks of a stage are alike):
 
-* **memory**: a walk over the rank's step in the order the runtime runs it (gradient
-  accumulation micro-steps; a pipeline's GPipe or 1F1B order of micro-batch forwards and
-  backwards), adding each piece's live bytes and taking the peak, on top of what stays
-  alive: parameters, optimizer state (AdamW: two states of each parameter's dtype and a
-  4-byte step), DDP's gradient buckets (one copy of the gradients), the pipeline runtime's
-  receive buffers (one per micro-batch and direction) and the gradients it leaves on them,
-  the last stage's outputs (kept until the next step), and the optimizer step's
-  temporaries (PyTorch's defaults: parameter by parameter on CPU and for FSDP2's
-  ``DTensor`` parameters, two of the largest parameter; one foreach group on CUDA, a copy
-  of the parameters);
-* **FLOPs**: the pieces' FLOPs (FlopCounterMode's formulas on the fake step; a
-  checkpointed layer's backward includes its recomputation) times their count;
-* **collectives**: the pieces' own (the schedule's syncs, FSDP2's all-gathers and
-  reduce-scatters), DDP's all-reduce of every gradient and broadcast of the buffers, a
-  pipeline's sends and receives of the tensors that cross each cut (measured by splitting
-  the model on meta, :func:`torchloom.runtime.pipeline.split_stages`), the all-reduce of weights
-  tied across stages, and the data-parallel all-reduce of a pipeline's gradients;
-* **time** on a :class:`~torchloom.plan.profiles.Profile`: a roofline per operator
-  (``max(FLOPs / peak, bytes / bandwidth)``, matmul-like operators; the others
-  bandwidth-bound), ring collectives (all-reduce ``2 (n-1)/n`` of the bytes,
-  all-gather and reduce-scatter ``(n-1)/n``, point-to-point once) over the link their
-  group spans, data-parallel communication hidden behind backward compute when the
-  profile overlaps, and the pipeline bubble: a step of a pipeline takes
-  ``(micro-batches + stages - 1)`` times its slowest stage's micro-batch.
-
-The layers of a stage are the same layer repeated, so a 70 B model costs what its first
-four layers cost to measure; the split of the layers into stages, what crosses a cut and
-which weights are tied come from the real model (split on meta).
+What each of memory, FLOPs, collectives and time is made of, and why a 70 B model costs
+what its first four layers cost to measure: docs/design/plan_predict.md.
 
 >>> from torchloom.plan import Layout
 >>> p = predict("llama", Layout(micro_batch=2, seq_len=32), "h100-80gb")

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..schedules import zoo
-from ..runtime.materialise import init_empty_weights
 from ..core.errors import PlanError
+from ..runtime.materialise import init_empty_weights
+from ..schedules import zoo
 
 __all__ = ["ModelSpec", "model_spec", "DTYPES"]
 

@@ -7,37 +7,9 @@ measures those pieces once per distinct ``(tp, sp, micro-batch, sequence, dtypes
 degree, loss)`` and composes any depth, stage split and micro-batch count from them
 (:mod:`torchloom.plan.predict`).
 
-A measurement (:func:`measure_units`) runs one training forward and backward of the model
-shortened to three layers (the first two checkpointed), scheduled with
-the real schedule at the real tensor-parallel degree, as rank 0 of a fake process group
-(``torch.distributed`` backend ``"fake"``: collectives do nothing), on fake tensors
-(``FakeTensorMode``: shapes and storages, no data, nothing allocated). With FSDP2 the
-layers and the root are ``fully_shard``-ed over the data-parallel ranks first, so its
-all-gathers, reduce-scatters and unsharded parameters are the real runtime's. Hooks at the
-layer boundaries cut the step into segments (``E.f``, ``L0.f`` ... ``L2.f``, ``H.f``,
-``H.b``, ``L2.b`` ... ``L0.b``, ``E.b``); each records, with a
-:class:`~torchloom.plan.tracking.Tracker`:
-
-* live bytes at its start and end and the peak in between;
-* its collectives (operator, bytes, mesh dimension);
-* its FLOPs (``torch.utils.flop_counter.FlopCounterMode``; a checkpointed layer's backward
-  includes the recomputed forward), and per operator the FLOPs and bytes moved, for a
-  roofline time on any device profile.
-
-Layer 0 is the first layer (checkpointed), layer 1 a checkpointed one after it and layer 2
-a plain one (the last); position effects of the first layer (a scatter before it with
-sequence parallelism, the end of FSDP2's backward prefetch) are kept apart from the
-per-layer cost that way. The last layer costs what a plain layer in the middle does (its
-neighbours, the head and FSDP2's prefetch, are measured in the head's pieces).
-
-Everything in a measurement is affine in the micro-batch size (activations, FLOPs, bytes
-and tensor-parallel collectives grow with it; parameters, FSDP2's buffers and collectives
-do not), so the planner measures micro-batches of one and two sequences and
-extrapolates any other size operator by operator (:func:`extrapolate`).
-
-:func:`crossing` splits a shortened model into pipeline stages on meta
-(:func:`torchloom.runtime.pipeline.split_stages`) and returns the tensors that cross a stage
-boundary between two layers (what a pipeline sends per micro-batch).
+How a measurement runs (three layers, a fake process group, fake tensors, FSDP2 where
+asked), what each segment records, why everything is affine in the micro-batch, and how
+crossing tensors are found: docs/design/plan_units.md.
 
 >>> from torchloom.plan.spec import model_spec
 >>> spec = model_spec("gpt2")
@@ -62,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..core.outputs import no_cache_kwargs
-from ..core.meta import copy_meta
 from ..core.errors import PlanError
+from ..core.meta import copy_meta
+from ..core.outputs import no_cache_kwargs
 from .spec import DTYPES, ModelSpec
 from .tracking import Collective, Tracker, fsdp_storage_resizes
 
@@ -314,7 +286,7 @@ def apply_knobs(sch: Any, spec: ModelSpec, knobs: dict[str, Any],
             raise PlanError(
                 f"{type(sch.mod).__name__} has no built-in schedule to split it between "
                 "tensor-parallel ranks", primitive=_PRIMITIVE,
-                values={"model": type(sch.mod).__name__}, fix="--tp 1, or pass schedule=")
+                values={"model": type(sch.mod).__name__}, fix="--tp 1, or pass schedule=") from None
         if knobs.get("ckpt_ratio"):
             sch[spec.layers].checkpoint(ratio=knobs["ckpt_ratio"])
         return
@@ -378,8 +350,8 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
     """Measure the pieces of a step (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..runtime.parallel import init_mesh
     from ..core.schedule import create_schedule
+    from ..runtime.parallel import init_mesh
 
     with fake_world(key.tp * key.fsdp):
         mesh = init_mesh(dp=key.fsdp, tp=key.tp, device_type="cpu")
@@ -580,9 +552,9 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
     1 and split on fake values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..core.schedule import create_schedule
     from ..runtime.parallel import init_mesh
     from ..runtime.pipeline_split import split_stages
-    from ..core.schedule import create_schedule
 
     with fake_world(key.tp):
         mesh = init_mesh(tp=key.tp, device_type="cpu")

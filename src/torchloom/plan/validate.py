@@ -59,10 +59,10 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts`` and ``step_s`` (the timed steps)."""
     from .. import schedules
+    from ..core.schedule import create_schedule
     from ..runtime.build import build
     from ..runtime.materialise import init_empty_weights
     from ..runtime.parallel import init_mesh
-    from ..core.schedule import create_schedule
 
     layout_dict = dict(config["layout"])
     if layout_dict.get("stage_cuts") is not None:

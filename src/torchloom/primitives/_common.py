@@ -28,10 +28,10 @@ def find_tensor(sch: Schedule, name: str, primitive: str) -> tuple[nn.Module, st
     except AttributeError:
         owner = None
     if owner is not None:
-        if attr in owner._parameters and owner._parameters[attr] is not None:
-            return owner, attr, owner._parameters[attr], True
-        if attr in owner._buffers and owner._buffers[attr] is not None:
-            return owner, attr, owner._buffers[attr], False
+        if (param := owner._parameters.get(attr)) is not None:
+            return owner, attr, param, True
+        if (buffer := owner._buffers.get(attr)) is not None:
+            return owner, attr, buffer, False
     names = [n for n, _ in sch.mod.named_parameters()] + [n for n, _ in sch.mod.named_buffers()]
     nearest = difflib.get_close_matches(name, names, n=3, cutoff=0.4) or names[:5]
     raise PathError(
@@ -52,8 +52,8 @@ def owners_of(root: nn.Module, tensor: torch.Tensor) -> list[tuple[nn.Module, st
         for attr, value in module._parameters.items():
             if value is tensor:
                 slots.append((module, attr, True))
-        for attr, value in module._buffers.items():
-            if value is tensor:
+        for attr, buffer in module._buffers.items():
+            if buffer is tensor:
                 slots.append((module, attr, False))
     return slots
 

@@ -37,8 +37,8 @@ import torch
 
 from ..core.errors import AnnotateError
 from ..core.meta import get_meta, has_meta, set_tag
-from ._common import find_tensor
 from ..core.registry import primitive
+from ._common import find_tensor
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

@@ -87,20 +87,19 @@ import inspect
 import math
 import numbers
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ..core.marks import CHECKPOINTED, has_mark, set_mark
 from ..core.errors import CheckpointError
-from ..runtime.rng import get_rng_tracker
-from ..graph.guards import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
-from ..graph.subgraph import GraphHolder, extract, resolve, splice
-from ._common import ForwardWrapper
+from ..core.marks import CHECKPOINTED, has_mark, set_mark
 from ..core.registry import primitive
-from ..graph.subgraph import recorded_matches
+from ..graph.guards import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
+from ..graph.subgraph import GraphHolder, extract, recorded_matches, resolve, splice
+from ..runtime.rng import get_rng_tracker
+from ._common import ForwardWrapper
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -129,7 +128,7 @@ class _TakeSnapshot:
     def __enter__(self) -> None:
         self.snapshot.states = get_rng_tracker().get_states()
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -149,7 +148,7 @@ class _ReplaySnapshot:
         if self.snapshot.states is not None:
             tracker.set_states(self.snapshot.states)
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         get_rng_tracker().set_states(self._saved.pop())
         return False
 
@@ -306,7 +305,8 @@ def _apply_whole(sch: Schedule) -> None:
 
 
 def _apply_ratio(sch: Schedule, ratio: Any) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
+            not 0 <= ratio <= 1:  # type: ignore[operator]  # typeshed: int <= Real
         raise CheckpointError(
             "ratio must be a number between 0 and 1 (the share of items to checkpoint)",
             path=sch.path,

@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from ..core.marks import COMPILED, has_mark, set_mark
 from ..core.errors import CompileError
-from ._common import ForwardWrapper
+from ..core.marks import COMPILED, has_mark, set_mark
 from ..core.registry import primitive
+from ._common import ForwardWrapper
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..core.errors import PipelineCutError
-from ..core.errors import ScheduleError
+from ..core.errors import PipelineCutError, ScheduleError
 from ..core.marks import PIPELINE_CUT, has_mark, set_mark
-from ..graph.graph_module import is_traced
 from ..core.registry import primitive
+from ..graph.graph_module import is_traced
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

@@ -44,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.marks import marks_of, set_mark
 from ..core.errors import FuseError
-from .replace import swap_module
+from ..core.marks import marks_of, set_mark
 from ..core.registry import primitive
+from ..graph.graph_module import is_conv1d
+from .replace import swap_module
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -69,7 +70,7 @@ class DecomposedLinear(nn.Linear):
         return F.linear(x, self.weight) + self.bias
 
 
-_CONV1D_CLASSES: dict[type, type] = {}
+_CONV1D_CLASSES: dict[type, type[nn.Module]] = {}
 
 
 def DecomposedConv1D(old: nn.Module) -> nn.Module:  # noqa: N802 - a class factory
@@ -92,11 +93,6 @@ def DecomposedConv1D(old: nn.Module) -> nn.Module:  # noqa: N802 - a class facto
     return new
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
-               for c in type(module).__mro__)
-
-
 @primitive(NAME, errors=(FuseError,))
 def apply(sch: Schedule) -> None:
     """Replace the linear layer at ``sch`` by its decomposed form."""
@@ -108,7 +104,7 @@ def apply(sch: Schedule) -> None:
             path=sch.path, primitive=NAME, values={"module": kind},
             fix=f"decompose once: remove the second sch[{sch.path!r}].decompose()",
         )
-    if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)):
+    if not (isinstance(mod, nn.Linear) or is_conv1d(mod)):
         raise FuseError(
             f"decompose splits an nn.Linear or a transformers Conv1D, not a {kind}",
             path=sch.path, primitive=NAME, values={"module": kind},

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..core.marks import FORK_RNG, has_mark, set_mark
 from ..core.errors import RngError
+from ..core.marks import FORK_RNG, has_mark, set_mark
+from ..core.registry import primitive
 from ..runtime.rng import MODEL_PARALLEL, get_rng_tracker
 from ._common import ForwardWrapper
-from ..core.registry import primitive
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

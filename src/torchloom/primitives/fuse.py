@@ -43,13 +43,12 @@ import torch
 import torch.fx as fx
 
 from ..core.errors import FuseError
-from ..graph.subgraph import GraphHolder, extract, resolve, splice
 from ..core.registry import primitive
-from ..graph.subgraph import recorded_matches
+from ..graph.subgraph import GraphHolder, extract, recorded_matches, resolve, splice
 
 if TYPE_CHECKING:
-    from ..graph.pattern import Match
     from ..core.schedule import Schedule
+    from ..graph.pattern import Match
 
 NAME = "fuse"
 

@@ -70,11 +70,12 @@ def apply(
             fix="check the class (transformers models often use their own subclasses)",
         )
     takes_path = _takes_path(sch, make_mod_fn)
+    make: Callable[..., nn.Module] = make_mod_fn  # in the form _takes_path found
     for path, node in matches:
         if takes_path:
-            node.replace(lambda old, _path=path: make_mod_fn(_path, old))
+            node.replace(lambda old, _path=path: make(_path, old))
         else:
-            node.replace(lambda old: make_mod_fn(old))
+            node.replace(lambda old: make(old))
 
 
 def _takes_path(sch: Schedule, fn: Callable[..., nn.Module]) -> bool:

@@ -43,15 +43,15 @@ ShardSpec(axis=0, full_shape=(6, 4), world_size=1, rank=0, chunks=1)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from ..core.errors import ShardError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
-from ._common import find_tensor, owners_of, tied_names
 from ..core.registry import primitive
+from ._common import find_tensor, owners_of, tied_names
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -80,12 +80,14 @@ def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: in
         if rule is None:
             continue
         name = rule.get(axis)
-        value = getattr(module, name, None) if name is not None else None
+        if name is None:
+            return
+        value = getattr(module, name, None)
         if isinstance(value, int):
             setattr(module, name, value // world_size)
         elif isinstance(value, tuple) and value and isinstance(value[-1], int):
             # LayerNorm's normalized_shape: the weight covers its trailing dimensions
-            offset = len(value) - module.weight.dim()
+            offset = len(value) - cast(torch.Tensor, module.weight).dim()
             sizes = list(value)
             sizes[offset + axis] //= world_size
             setattr(module, name, tuple(sizes))
@@ -189,7 +191,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
     slots = owners_of(sch.root.mod, tensor) or [(owner, attr, is_param)]
     for module, slot_attr, slot_is_param in slots:
         if slot_is_param:
-            module._parameters[slot_attr] = new
+            module._parameters[slot_attr] = cast(nn.Parameter, new)  # as is_param
         else:
             module._buffers[slot_attr] = new
         _update_module_attrs(module, slot_attr, axis, world_size)

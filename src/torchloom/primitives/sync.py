@@ -81,18 +81,18 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.marks import SYNCS, get_mark, set_mark
-from ..runtime import collectives as C
 from ..core.errors import SyncError
+from ..core.marks import SYNCS, get_mark, set_mark
 from ..core.meta import shard_spec
 from ..core.placement import output_placement
 from ..core.registry import primitive
+from ..runtime import collectives as C
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -237,12 +237,12 @@ class _ReduceThenAddBias:
         self.module, self.op = module, op
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.module.weight
+        weight = cast(torch.Tensor, self.module.weight)
         if isinstance(self.module, nn.Linear):
             partial = F.linear(x, weight)
         else:  # Conv1D keeps its weight as (in, out)
             partial = (x.reshape(-1, x.shape[-1]) @ weight).reshape(*x.shape[:-1], weight.shape[-1])
-        return self.op(partial) + self.module.bias
+        return self.op(partial) + cast(torch.Tensor, self.module.bias)
 
 
 def _needs_bias_after_reduction(module: nn.Module) -> bool:
@@ -347,8 +347,8 @@ def _check_output_placement(sch: Schedule, op: str, axis: int | None) -> None:
     placement = output_placement(sch.mod)
     if placement is None:
         return
-    shards = {name: shard_spec(p).axis for name, p in sch.mod._parameters.items()
-              if p is not None and shard_spec(p) is not None}
+    shards = {name: spec.axis for name, p in sch.mod._parameters.items()
+              if p is not None and (spec := shard_spec(p)) is not None}
     values = {"op": op, "output": str(placement), "sharded": shards}
     if placement.kind == "shard" and op in ("all_reduce", "reduce_scatter"):
         raise SyncError(
@@ -412,6 +412,7 @@ def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **k
     module = sch.mod
     if spec is None:  # a user hook
         fn = sync_op_or_fn
+        assert callable(fn)  # _check returns None for a callable only
         spec = SyncSpec(mode=mode, op=getattr(fn, "__qualname__", "callable"))
         if mode == "fwd_pre":
             module.register_forward_pre_hook(fn, with_kwargs=True)

@@ -59,9 +59,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.errors import TraceError
+from ..core.registry import primitive
 from ..graph.examples import example_inputs_for
 from ..graph.tracing import TRACERS, trace_module
-from ..core.registry import primitive
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

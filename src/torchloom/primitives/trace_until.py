@@ -37,11 +37,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.errors import TraceError
+from ..core.registry import primitive
 from ..graph.examples import example_inputs_for
 from ..graph.graph_module import _is_container, is_traced
 from ..graph.tracing import trace_module
 from .trace import check_options, install_traced
-from ..core.registry import primitive
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

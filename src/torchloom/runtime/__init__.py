@@ -1,2 +1,3 @@
 """Running a schedule: materialisation and build, meshes and launching, collectives, RNG,
-the pipeline split and runtime, checkpoint and weight I/O (uses ``core`` and ``graph``)."""
+the pipeline split and runtime, checkpoint and weight I/O, the training step (``loop``)
+(uses ``core`` and ``graph``)."""

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import guard_collective
 from ..core.errors import ScheduleMismatchError
+from .collectives import guard_collective
 
 if TYPE_CHECKING:
     from ..core.recipe import Recipe, RecipeEntry

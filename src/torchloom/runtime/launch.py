@@ -69,8 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..core.errors import LaunchError
-from ..core.errors import CollectiveTimeoutError, RankFailedError, ScheduleError
+from ..core.errors import CollectiveTimeoutError, LaunchError, RankFailedError, ScheduleError
 from .process_group import init_distributed
 
 __all__ = ["run_ranks", "under_torchrun", "init_group", "failures", "raise_first_failure",

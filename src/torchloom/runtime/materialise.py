@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core.errors import BuildError
 from ..core.meta import _ATTR as _META_ATTR
 from ..core.meta import ShardSpec, copy_meta, shard_spec
+from ..core.schedule import join_path
 
 __all__ = ["init_empty_weights", "has_meta_tensors", "INIT_MODES"]
 
@@ -145,10 +146,6 @@ def _own_init(module: nn.Module) -> Callable[[], Any] | None:
     if isinstance(module, (nn.MultiheadAttention, nn.Transformer)):
         return module._reset_parameters
     return None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _accepts_path(fn: Callable[..., Any]) -> bool:
@@ -410,7 +407,7 @@ class _Builder:
             for attr, tensor, is_param in _tensors_of(module):
                 entry = by_orig.get(id(tensor))
                 if entry is None:
-                    entry = _Entry(orig=tensor, name=_join(path, attr), home=module,
+                    entry = _Entry(orig=tensor, name=join_path(path, attr), home=module,
                                    home_attr=attr, is_param=is_param,
                                    spec=shard_spec(tensor), mode="")
                     entry.mode = self._mode_of(entry)
@@ -495,7 +492,7 @@ class _Builder:
                     missing.append((path, type(module).__name__, names))
             for name, child in module._modules.items():
                 if child is not None:
-                    visit(child, _join(path, name), covered)
+                    visit(child, join_path(path, name), covered)
 
         visit(self.model, "", False)
         if missing:
@@ -790,7 +787,7 @@ class _Builder:
         self._visited.add(id(module))
         for name, child in module._modules.items():
             if child is not None:
-                self.walk(child, _join(path, name))
+                self.walk(child, join_path(path, name))
         if self.fn is not None:
             if id(module) in self._direct:
                 fn = self.fn
@@ -811,7 +808,7 @@ class _Builder:
             nested = isinstance(child, self.ptm)  # type: ignore[arg-type]
             if child is None or id(child) in seen or nested:
                 continue
-            self._hf_pass(owner, child, _join(path, name), seen)
+            self._hf_pass(owner, child, join_path(path, name), seen)
         if self.pending(module):
             init = owner._init_weights  # type: ignore[attr-defined]
             self._call(module, path, f"{type(owner).__name__}._init_weights", lambda: init(module))

@@ -50,8 +50,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..core.recipe import Recipe, apply_recipe
 from ..core.errors import TuneError
+from ..core.recipe import Recipe, apply_recipe
 
 __all__ = [
     "CostModel",

@@ -19,8 +19,9 @@ from torch import nn
 
 from ..core.errors import BuildError
 from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark, set_mark
+from ..core.schedule import join_path
 from .collectives import guard_collective
-from .pipeline_split import Stages, TiedWeight, _join, cut_paths, split_stages, tied_weights
+from .pipeline_split import Stages, TiedWeight, cut_paths, split_stages, tied_weights
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -140,7 +141,7 @@ def _mirror_into(dst: nn.Module, src: nn.Module, path: str, source: nn.Module | 
         if child is None:
             continue
         here = dst._modules.get(name)
-        sub = _join(path, name)
+        sub = join_path(path, name)
         if type(child) is nn.Module:  # a container fx made
             if here is None:
                 here = nn.Module()
@@ -188,7 +189,7 @@ def _put(dst: nn.Module, name: str, tensor: torch.Tensor, path: str, persistent:
     here = dst._parameters.get(name, dst._buffers.get(name))
     if here is tensor:
         return
-    where = _join(path, name)
+    where = join_path(path, name)
     if here is not None:
         raise BuildError(f"two stages hold different tensors under {where!r}", path=path,
                          primitive="build", values={"key": where},
@@ -213,8 +214,8 @@ def _check_inside(real: nn.Module, container: nn.Module, path: str) -> None:
                          *container.named_buffers(remove_duplicate=False)]:
         if mine.get(name) is not tensor:
             raise BuildError(
-                f"two stages hold different tensors under {_join(path, name)!r}", path=path,
-                primitive="build", values={"key": _join(path, name)},
+                f"two stages hold different tensors under {join_path(path, name)!r}", path=path,
+                primitive="build", values={"key": join_path(path, name)},
                 fix="cut the model at module boundaries of the original tree")
 
 

@@ -60,6 +60,7 @@ from torch import nn
 from ..core.errors import BuildError
 from ..core.marks import PIPELINE_CUT, has_mark
 from ..core.outputs import main_tensor
+from ..core.schedule import join_path
 from ..graph.examples import dummy_inputs
 from ..graph.fake import _tensors_on_meta, on_meta, value_mode
 from ..graph.graph_module import is_traced
@@ -81,10 +82,6 @@ __all__ = ["cut_paths", "split_stages", "Stages", "TiedWeight", "tied_weights", 
 def cut_paths(sch: Schedule) -> list[str]:
     """The paths of the modules after which a stage ends, in tree order."""
     return [path for path, node in sch.root.named_schedules() if has_mark(node.mod, PIPELINE_CUT)]
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 # --------------------------------------------------------------------------- flatten
@@ -132,7 +129,7 @@ def _inline(graph: fx.Graph, gm: fx.GraphModule, prefix: str, inputs: dict[str, 
         elif node.op == "output":
             return arg(node.args[0])
         elif node.op == "call_module":
-            path = _join(prefix, node.target)
+            path = join_path(prefix, node.target)
             sub = gm.get_submodule(node.target)
             if path in way and is_traced(sub):
                 bound = _bind(sub, arg(node.args), arg(node.kwargs), path)
@@ -140,7 +137,7 @@ def _inline(graph: fx.Graph, gm: fx.GraphModule, prefix: str, inputs: dict[str, 
             else:
                 env[node] = graph.call_module(path, arg(node.args), arg(node.kwargs))
         elif node.op == "get_attr":
-            env[node] = graph.get_attr(_join(prefix, node.target))
+            env[node] = graph.get_attr(join_path(prefix, node.target))
         else:
             env[node] = graph.create_node(node.op, node.target, arg(node.args), arg(node.kwargs))
     raise AssertionError("graph without output")
@@ -365,7 +362,7 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
             inputs.append([n.name for n in live[k]])
 
         def arg(a: Any, env: dict = env) -> Any:
-            return fx.map_arg(a, lambda n: env[n] if n in env else values[n])
+            return fx.map_arg(a, lambda m: env[m] if m in env else values[m])
 
         later_folded = {n for j in range(k + 1, num_stages) for n in needs[j] if not crosses(n)}
         for node in flat.graph.nodes:

@@ -1,52 +1,12 @@
 """Pretrained weights out: :func:`save_pretrained` writes a Hugging Face folder from any
 layout of a scheduled model.
 
-The folder is what transformers' ``save_pretrained`` writes for the unmodified model, so
-``AutoModel*.from_pretrained(PATH)`` (or the model class's) loads it with no missing or
-unexpected keys:
-
-* ``model.safetensors``, or, when the tensors exceed ``max_shard_size``, the files
-  ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` (the same
-  file names, split and index as transformers, which uses huggingface_hub's
-  ``split_state_dict_into_shards_factory``; each file's metadata is ``{"format": "pt"}``);
-* ``config.json`` (the model's own config, with ``dtype`` and ``architectures`` set as
-  transformers sets them, on a copy) and ``generation_config.json`` when the model can
-  generate; a model that is not a transformers model gets the weights only;
-* the original keys at full shape: tensors sharded by ``shard`` are gathered, FSDP2
-  ``DTensor`` parameters are gathered with ``full_tensor()``, a DDP wrapper is looked
-  through, a module that stores one tensor as several in the original model (a fused
-  q/k/v projection, ``torchloom_checkpoint_parts()``) is written as those several tensors;
-  tied weights are written once, under the key transformers keeps (GPT-2: the embedding
-  ``transformer.wte.weight``, not ``lm_head.weight``).
-
-It works from one process, tensor (and sequence) parallelism, DDP, FSDP2 and a
-:class:`~torchloom.runtime.pipeline.PipelineModel` (each stage's tensors come from the ranks that
-hold them).
-
-Collective: every rank of the default process group calls it with the same arguments
-(``group`` is the tensor-parallel group the model was scheduled with, as for
-:func:`torchloom.full_state_dict`). The ranks first exchange a list of their keys, shapes
-and dtypes (no tensor data), so every rank knows the plan; then, file by file, each
-tensor is gathered (one tensor at a time: its tensor-parallel pieces with ``all_gather``,
-its FSDP2 shards with ``full_tensor()``) and, where rank 0 does not hold it (a later
-pipeline stage), sent to rank 0. Only rank 0 writes.
-
-Memory bound: a rank other than 0 holds, besides its own shards, one gathered tensor at a
-time. Rank 0 holds the gathered tensors of one output file at a time: at most
-``max_shard_size`` (default 5 GB), or one tensor if a single tensor is larger, plus,
-while a tensor is gathered, its ``world_size`` pieces; tensors it holds whole already
-(replicated ones) are written from the parameters without a copy, and safetensors writes
-a file without another copy of its tensors. Pass a smaller ``max_shard_size`` to bound the
-peak further (measured on rank 0 of a TP=8 Llama, 336 MiB in all: 200 MiB above the
-start with "5GB", 77 MiB with "200MB", 41 MiB with "50MB"). No rank ever holds the whole
-model unless one file holds it.
-
-The folder is written into ``PATH + ".tmp-<id>"`` and renamed into place when complete,
-so a crash never leaves a half-written folder at ``PATH`` (a leftover ``.tmp-`` folder is
-safe to delete). An existing ``PATH`` is replaced only if it is empty or holds nothing but
-the files this function (or transformers' ``save_pretrained``) writes; any other file in
-it, a regular file or a symbolic link at ``PATH`` is refused (nothing the user wrote is
-ever deleted).
+The folder is what transformers' own save_pretrained writes for the unmodified model
+(original keys at full shape, config, generation config, sharded safetensors with an
+index), from one process, TP/SP, DDP, FSDP2 or a pipeline. It is collective (every rank
+calls it), gathers one tensor at a time, only rank 0 writes, and an existing PATH is
+replaced only if it holds nothing but such a folder: the details, with the measured memory
+bound, are in docs/design/save_pretrained.md.
 
 >>> import os, tempfile, torch
 >>> from safetensors.torch import load_file
@@ -74,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark
 from ..core.errors import PretrainedError
+from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark
 from ..core.meta import ShardSpec, shard_spec
 
 __all__ = ["save_pretrained", "PretrainedInfo", "describe_model", "gather_full_state_dict",

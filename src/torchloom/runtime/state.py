@@ -7,58 +7,12 @@ tensor-parallel degree 2 loads at 1, 2 or 4. ``torchloom.state`` also holds
 :mod:`torchloom.runtime.gather`) and :func:`init_distributed` (in
 :mod:`torchloom.runtime.process_group`).
 
-Design of the checkpoint (pieces of full-shape tensors, through DCP's planners):
-    A sharded tensor is handed to DCP as this rank's *pieces* of one logical tensor of the
-    full shape, each piece placed at its offsets in the full tensor. DCP's own extension
-    point does the rest: a ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` subclass emits
-    one ``WriteItem`` per piece (a shard ``ChunkStorageMetadata``) and, on load, asks
-    ``create_read_items_for_chunk_list`` (DCP's resharding) for the regions the new layout
-    needs. A ``chunks=k`` layout (a fused q/k/v weight, where rank r holds
-    ``[q_r | k_r | v_r]``: ``k`` disjoint pieces of the full tensor) is ``k`` pieces per
-    rank, which DTensor's public placements cannot describe (``Shard(axis)`` gives each
-    rank one contiguous block) and the deprecated ``ShardedTensor`` (used before) could.
-    DCP records every piece as a chunk of one logical full-shape tensor and, on load, reads
-    whatever region the new layout asks for (any world size whose ``chunks * world_size``
-    divides the axis). Pieces that several
-    ranks hold (``replicas > 1``) are written once (DCP deduplicates equal chunks across
-    ranks). Unsharded tensors are passed as plain tensors; DCP writes one copy of each.
-    The format is unchanged (2): checkpoints that earlier versions wrote through
-    ``ShardedTensor`` load, and earlier versions load the ones written now.
-
-    Memory: saving writes each rank's own pieces straight from its tensors, no rank ever
-    holds a full tensor; only non-contiguous pieces (a ``chunks > 1`` split along an inner
-    axis, non-contiguous tensors) are copied into contiguous ones first. Loading reads into
-    the parameters in place (into views of them, whatever the layout), except unsharded
-    non-contiguous tensors, read into a contiguous buffer and copied. Optimizer state is
-    read into new local-sized buffers that become the state. Optimizer state of a sharded
-    parameter has the parameter's shard layout; scalar state (AdamW ``step``) is
-    replicated.
-
-    Non-tensor data (the step, optimizer hyperparameters, non-tensor optimizer state, the
-    run configuration and the SHA-256 of every file) goes in the JSON marker
-    ``torchloom.json``, written by rank 0 after DCP finished: its presence marks a
-    complete checkpoint.
-
-Layout of a save directory (format 2)::
-
-    run/torchloom-checkpoints.json   marks the directory as torchloom's; points at the newest
-    run/step-6/                      a checkpoint: .metadata, __<rank>_<i>.distcp, torchloom.json
-    run/step-8/                      (the ``keep`` newest are kept, default 2)
-
-Atomicity: :func:`save` writes into ``run/.tmp-step-N-<id>``, writes the marker last,
-renames the folder to ``step-N`` and then replaces the pointer (temporary file, fsync,
-``os.replace``). A crash at any point leaves the previous checkpoints loadable, and
-:func:`load` (:func:`find_checkpoint`) takes the newest complete one, wherever the crash
-left it; the next successful save removes what the crash left. A save never writes into a
-directory holding anything else (:func:`check_save_dir`). All ranks must see the same file
-system (one machine, or a shared file system); one writer per directory at a time.
-
-Trust: every file's SHA-256 is checked before anything is read from it, so damage (a
-flipped byte, a truncated file) is found and named. DCP's ``.metadata`` is a pickle: it is
-read after its checksum matched, with an unpickler limited to DCP's metadata types, and
-DCP reads tensors with ``torch.load(weights_only=True)``. Checksums do not stop forgery:
-loading a checkpoint from an untrusted source is running its code as far as those
-unpicklers allow; load only checkpoints you or your jobs wrote.
+The format (pieces of full-shape tensors through DCP planners), the memory it takes, the
+layout of a save directory, its atomicity and what the checksums do and do not protect
+against are described in docs/design/checkpoints.md. In short: a save never writes into a
+directory holding anything else, a crash leaves the previous checkpoint loadable, every
+file is checked against its SHA-256 before it is read, and loading a checkpoint from an
+untrusted source is running its code as far as the unpicklers allow.
 
 >>> import torch, tempfile, os
 >>> model = torch.nn.Linear(4, 2)
@@ -101,8 +55,7 @@ from torch import nn
 # Defined elsewhere, importable here (torchloom.state): CollectiveTimeoutError,
 # guard_collective (the sync hooks' collectives use it too), the process group and the
 # full state dicts.
-from ..core.errors import CheckpointIOError
-from ..core.errors import CollectiveTimeoutError, ScheduleError
+from ..core.errors import CheckpointIOError, CollectiveTimeoutError, ScheduleError
 from ..core.meta import ShardSpec, shard_spec
 from .collectives import guard_collective
 from .gather import (
@@ -712,7 +665,7 @@ def check_save_dir(path: str | os.PathLike, primitive: str = "save") -> None:
     >>> check_save_dir(d)
     Traceback (most recent call last):
     ...
-    torchloom.runtime.state.CheckpointIOError: save(...): the directory holds files torchloom did not write; ...
+    torchloom.core.errors.CheckpointIOError: save(...): the directory holds files torchloom did not write; ...
     >>> shutil.rmtree(d)
     """
     error = _refusal(os.path.normpath(os.fspath(path)), primitive)

@@ -3,43 +3,10 @@
 :func:`torchloom.build` with ``weights=PATH`` uses this module; :func:`load_weights` is the
 same reader for any sub-module tree (a pipeline stage, a block), given its key prefix.
 
-What ``PATH`` may be:
-    * a Hugging Face folder as ``save_pretrained`` writes it: ``model.safetensors``, or
-      ``model.safetensors.index.json`` and the shard files it names; a
-      ``pytorch_model.bin`` (or ``pytorch_model.bin.index.json``) is read only through
-      ``torch.load(weights_only=True)`` (memory-mapped where the file allows it);
-    * a torchloom checkpoint directory written by :func:`torchloom.runtime.state.save` (``build``
-      then calls :func:`torchloom.runtime.state.load` on the materialised model).
-
-How a tensor is found. The model's keys are its ``state_dict`` keys (persistent buffers
-included, non-persistent ones never looked up), except where a module declares that a
-checkpoint of the original model stores one of its tensors as several (a fused q/k/v
-projection, :meth:`torchloom.ops.FusedQKVBertSelfAttention.torchloom_checkpoint_parts`):
-those parts are read and concatenated. Checkpoint keys are renamed to model keys the way
-transformers' ``from_pretrained`` renames them, with transformers' own functions
-(``get_model_conversion_mapping`` + ``rename_source_key``): legacy ``LayerNorm.gamma`` /
-``beta`` names, and the base-model prefix added or stripped (a ``GPT2Model`` folder loads
-into ``GPT2LMHeadModel`` and back). A rename that needs a tensor conversion (transformers'
-``WeightConverter``) is read when its operations are the mixture-of-experts merge
-transformers 5 applies to per-expert checkpoints (``MergeModulelist(dim=0)`` over the
-experts, then optionally ``Concatenate`` of the patterns, e.g. Mixtral's ``w1`` and ``w3``
-into ``experts.gate_up_proj``): each block of the merged tensor comes from one expert's
-tensor, and only the blocks and ranges of this rank's shard are read. Any other conversion
-is refused with :class:`~torchloom.runtime.state.CheckpointMismatchError`. Tied tensors (one tensor
-object under several keys) are read once, from the first of their keys the checkpoint
-holds.
-
-How a tensor is read. Only this rank's part: for a tensor sharded with
-:class:`~torchloom.core.meta.ShardSpec` the ranges of :meth:`~torchloom.core.meta.ShardSpec.ranges`
-(one per block when ``chunks > 1``) are read with safetensors' ``get_slice`` into a
-tensor of the local shape, cast to the dtype the model's tensor has; a safetensors file
-is memory-mapped, so the memory a rank fills is its shard (file pages that the kernel
-caches are not anonymous memory). Shapes are checked before anything is read: the
-checkpoint's shape must be the model tensor's full shape.
-
-Everything read from the folder is untrusted: the index must be a JSON object with a
-``weight_map`` of names to files inside the folder; a key the index lists must be in its
-file; shapes come from the safetensors headers and are checked against the model.
+PATH is a Hugging Face folder (safetensors, sharded with an index, or pytorch_model.bin
+through torch.load(weights_only=True)) or a torchloom checkpoint. Keys are renamed as
+transformers' from_pretrained renames them; each rank reads only the ranges of its shard;
+everything read is untrusted and checked: see docs/design/weights.md.
 
 >>> import os, tempfile, torch, torchloom as tl
 >>> from safetensors.torch import save_file
@@ -68,6 +35,7 @@ import torch
 from torch import nn
 
 from ..core.meta import ShardSpec, shard_spec
+from ..core.schedule import join_path
 from . import state as _state
 from .gather import CheckpointMismatchError
 from .state import CheckpointIOError
@@ -319,10 +287,6 @@ class ModelTensor:
     parts: dict[str, tuple[list[str], int]] = field(default_factory=dict)  # key -> parts
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def model_keys(module: nn.Module, prefix: str = "") -> list[ModelTensor]:
     """Every parameter and buffer of ``module`` with its checkpoint keys (``prefix`` +
     its dotted name; ``state_dict`` order), tied tensors once with all their keys. A
@@ -347,7 +311,7 @@ def model_keys(module: nn.Module, prefix: str = "") -> list[ModelTensor]:
                     except AttributeError:
                         continue
                 declared_parts.append(
-                    (tensor, _join(path, name), ([_join(path, n) for n in names], axis)))
+                    (tensor, join_path(path, name), ([join_path(path, n) for n in names], axis)))
         tensors: list[tuple[str, torch.Tensor, bool]] = [
             (n, p, True) for n, p in mod._parameters.items() if p is not None]
         tensors += [(n, b, n not in mod._non_persistent_buffers_set)
@@ -356,7 +320,7 @@ def model_keys(module: nn.Module, prefix: str = "") -> list[ModelTensor]:
             entry = out.get(id(tensor))
             if entry is None:
                 entry = out[id(tensor)] = ModelTensor(tensor, persistent=persistent)
-            entry.keys.append(_join(path, name))
+            entry.keys.append(join_path(path, name))
     for tensor, key, value in declared_parts:
         if id(tensor) in out:
             out[id(tensor)].parts[key] = value
@@ -382,8 +346,11 @@ def _renamer(root: nn.Module | None) -> Rename:
     prefix = getattr(root, "base_model_prefix", None) or None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                      rename_source_key)
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
         from transformers.modeling_utils import PreTrainedModel
     except ImportError:  # transformers is optional
         PreTrainedModel = None  # noqa: N806

@@ -56,8 +56,8 @@ from typing import Any, Callable
 from ..core.errors import NoScheduleError
 from ..core.schedule import Schedule
 from ._common import check_knobs
-from .config import ScheduleConfig, ScheduleConfigError
 from .bert import schedule_bert
+from .config import ScheduleConfig, ScheduleConfigError
 from .gpt2 import schedule_gpt2
 from .hf_plan import from_hf_plan, has_tp_plan, schedule_hf_plan
 from .llama import schedule_llama

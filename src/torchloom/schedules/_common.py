@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 
 from ..core.errors import ModelSizeError
 from ..core.schedule import Schedule
+from ..graph.graph_module import is_conv1d
 from .config import KNOBS, ScheduleConfig, ScheduleConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,21 +30,17 @@ __all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 
 
-def _is_conv1d(node: Schedule) -> bool:
-    return type(node.mod).__name__ == "Conv1D"
-
-
 def column(node: Schedule, chunks: int = 1) -> None:
     """Shard a Linear / Conv1D along its output features (``chunks=3`` for fused q/k/v)."""
     kw = {"chunks": chunks} if chunks > 1 else {}
-    node.shard("weight", 1 if _is_conv1d(node) else 0, **kw)
+    node.shard("weight", 1 if is_conv1d(node.mod) else 0, **kw)
     if getattr(node.mod, "bias", None) is not None:
         node.shard("bias", 0, **kw)
 
 
 def row(node: Schedule) -> None:
     """Shard a Linear / Conv1D along its input features (the bias stays whole)."""
-    node.shard("weight", 0 if _is_conv1d(node) else 1)
+    node.shard("weight", 0 if is_conv1d(node.mod) else 1)
 
 
 def region(block: Schedule, columns: list[str], row_path: str, sequence_parallel: bool,

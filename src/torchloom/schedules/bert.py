@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from ..core.schedule import Schedule
 from ..ops.attention import make_sdpa_bert_self_attention
 from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
-from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
     check_tp_sizes,
     column,
     finish_layers,
-    takes,
     row,
     sp_norms,
+    takes,
 )
 from .config import ScheduleConfig
 

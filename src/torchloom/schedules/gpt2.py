@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..core.schedule import Schedule
 from ..ops.attention import make_sdpa_gpt2_attention
 from ..ops.fused import make_fused_gpt2_mlp
-from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
     check_tp_sizes,

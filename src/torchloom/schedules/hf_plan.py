@@ -10,89 +10,8 @@ paths (``model.tp_plan``: the base model's keys prefixed with ``base_model_prefi
 applies the equivalent torchloom primitives, so the result is an ordinary recipe: it
 prints, replays with ``apply_recipe``, verifies and tunes like a hand-written schedule.
 
-Styles and what each becomes (a *module* key names a module; a *parameter* key names one
-parameter, the 3-D expert weights of a mixture-of-experts block):
-
-================================  =====================================================
-style                             torchloom primitives
-================================  =====================================================
-``colwise``                       ``shard`` weight and bias along the output features;
-                                  ``sync("bwd_post", "all_reduce")`` (input gradient)
-``colwise_gather_output``         the same, plus ``sync("fwd_post", "all_gather",
-(``colwise_rep``)                 axis=-1)``: every rank holds the whole output (and
-                                  the module's sizes say so: :func:`whole_sizes`)
-``packed_colwise``                output features in two packed halves (``[gate | up]``):
-                                  ``shard(..., chunks=2)``, rank r keeps
-                                  ``[gate_r | up_r]``
-``rowwise``                       ``shard`` weight along the input features (bias whole);
-                                  ``sync("fwd_post", "all_reduce")`` (bias added once)
-``rowwise_split_input``           the same, after ``sync("fwd_pre", "scatter",
-(``rowwise_rep``)                 axis=-1)`` of a whole input
-``embedding_rowwise``             vocabulary-parallel: rows sharded (a tied head with
-                                  them), ids localised and foreign rows zeroed
-                                  (:func:`vocab_ids_local`, :func:`vocab_rows_masked`),
-                                  ``sync("fwd_post", "all_reduce")``
-``embedding_colwise``             ``shard`` the embedding dimension; all-gather output
-``replicated_with_grad_allreduce``  ``sync("param_grad", "all_reduce")`` (per-head norms)
-``all_reduce``                    ``sync("fwd_post", "all_reduce")``; with parameter
-                                  keys split inside, its inputs' gradients summed too
-``moe_tp_experts``                every expert split within (its parameter keys say
-                                  how); the hidden states' and routing weights'
-                                  gradients all-reduced (``bwd_post``), the output
-                                  all-reduced; the router stays replicated (its input
-                                  gradient is then whole on every rank)
-``mla_kv_a_proj``                 the replicated latent projection of multi-head latent
-                                  attention, whose rotary part feeds the sharded heads
-                                  directly: its gradient is summed over the ranks
-                                  (:class:`MlaKvAProjection`)
-``replicate``, ``local_params``   nothing (torchloom's sharded parameters are local)
-================================  =====================================================
-
-Parameter keys: ``colwise`` shards axis ``ndim - 2``, ``rowwise`` axis ``ndim - 1`` (a
-1-D ``rowwise`` bias stays whole), ``packed_colwise`` / ``packed_rowwise`` the same axes
-with ``chunks=2`` (contiguously when the experts are stored interleaved,
-``is_concatenated=False``). A plain ``colwise`` on experts' concatenated ``gate_up``
-weight is split as packed too: split as one block it would hand one rank the gates and the
-other the ups, a wrong model.
-
-Beyond the plan, so that the model stays the same: modules the plan leaves out whose
-parameter gradients become per-rank parts get ``sync("param_grad", "all_reduce")`` (a
-per-head ``q_norm`` / ``k_norm`` next to split heads, an activation with scalar
-parameters between split features); an embedding whose own forward runs a module of its
-own after the lookup (a norm) is left whole rather than split along the vocabulary.
-
-Refused with a :class:`PlanError` naming the style, the path and the family, before any
-primitive is applied: ``moe_identity_expert``, ``sequence_parallel``, the
-expert-parallel styles (``grouped_gemm``, ``ep_dispatch_experts``, ``ep_router``), any
-unknown style, a style on a module type it does not fit, a mixture-of-experts block with
-an expert parameter the plan does not split, a norm that normalises all the features of
-a projection whose heads (or input) the plan shards, a projection into heads next to
-split ones that the plan leaves whole, a row-parallel module with no column-parallel one
-before it (its input would be whole), a tied weight whose other owner the plan does not
-split alike, and sizes the ranks cannot split evenly (attention heads and KV heads by
-config field, the vocabulary, the MLP's features). These checks read the module tree;
-what happens inside a module's forward is only seen by ``Verify``, which is how to prove
-a derived schedule for a family (see ``benchmarks/zoo_sweep.py``).
-
-Fewer KV heads than ranks (``tp % num_key_value_heads == 0``), which transformers' plan
-cannot split, are replicated on the ranks whose query heads use them, as the hand-written
-Llama schedule does (:func:`torchloom.schedules.llama.replicate_kv_heads`), in any attention
-whose q/k/v projections the plan makes ``colwise`` and that has ``head_dim`` and
-``num_key_value_groups``.
-
-Knobs: ``tp``; ``sequence_parallel`` (activations between the tensor-parallel regions
-split along the sequence, as in the hand-written schedules, for a plan of one stack whose
-layers are attention and MLP regions: no mixture of experts, no layer input per token
-besides the hidden states, nothing that mixes positions outside the regions; a region's
-input is all-gathered and its column-parallel modules keep their own input-gradient
-all-reduce, so the gather's backward only keeps this rank's slice); ``ckpt_ratio`` and ``compile`` on every stack of layers (the plans' ``*``
-lists and ``base_model_pp_plan``'s); ``vocab_parallel`` (False keeps the embeddings and
-the head whole); ``plan`` (a plan of your own, with the model's full paths, instead of
-``model.tp_plan``); ``pipeline_stages`` (with ``example_inputs``: stages cut evenly over the
-stack of layers that ``base_model_pp_plan`` names, for ``build(sch, target="pipeline")``).
-
-Plan keys that match nothing in the model (a layer type the config does not use, e.g.
-Qwen2-MoE's dense MLP when every layer is sparse) are skipped, as transformers skips them.
+The styles and what each becomes, the checks made before any primitive is applied, and
+the knobs are described in docs/design/hf_plan.md.
 
 Before / after (a world of one: shards and syncs are recorded and change no value):
 
@@ -124,11 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import TPPlanError as PlanError
-from ..core.marks import FOREIGN_IDS, pop_mark, set_mark
+from ..core.marks import FOREIGN_IDS, pop_mark, set_mark, transfer_hooks
 from ..core.meta import get_meta, shard_spec
-from ..primitives._common import tied_names
-from ..core.marks import transfer_hooks
 from ..core.schedule import Schedule
+from ..primitives._common import tied_names
 from ._common import SEQ_AXIS, finish_layers, takes, tp_divisors
 from .config import ScheduleConfig
 from .llama import GradSum, replicate_kv_heads

@@ -55,20 +55,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import ModelSizeError, ReplaceError
-from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ..core.marks import transfer_hooks
+from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
     check_tp_sizes,
     column,
     finish_layers,
-    takes,
     region,
     region_syncs,
     row,
     sp_final_norm,
     sp_norms,
+    takes,
     tp_divisors,
 )
 from .config import ScheduleConfig

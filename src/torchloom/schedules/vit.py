@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..core.errors import ModelSizeError
-from ..runtime import collectives as C
 from ..core.schedule import Schedule
+from ..runtime import collectives as C
 from ._common import (
     SEQ_AXIS,
     check_tp_sizes,

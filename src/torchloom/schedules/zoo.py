@@ -1,10 +1,14 @@
 """Small, randomly initialised transformers models, built from configs written here.
 
 Nothing is downloaded: each model is a Hugging Face transformers class constructed from a
-config in code, so tests, examples and the demo run offline. Two sizes exist:
+config in code, so tests, examples and the demo run offline. Every model has two sizes:
 
 * ``"tiny"``: 2 layers, hidden size 32; for tests (builds in milliseconds);
-* ``"small"``: 4 layers, hidden size 128; the size of the ``torchloom demo`` GPT-2.
+* ``"small"``: 4 layers, hidden size 128; the size of the ``torchloom demo`` GPT-2;
+
+and gpt2, bert and llama those of ``torchloom bench`` (:data:`torchloom.apps.bench.SIZES`):
+``"bench-tiny"`` (its tests), ``"bench"`` (about 13M parameters) and, but for bert,
+``"gpu"`` (about 300M parameters, real vocabularies).
 
 Text models use a byte-level vocabulary of 256 tokens, matching :mod:`torchloom.apps.data`.
 
@@ -37,7 +41,7 @@ from ..core.errors import UnknownModelError
 __all__ = ["SIZES", "example_inputs", "layer_paths", "list_models", "make_model",
            "max_positions"]
 
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small")  # the sizes every model has
 
 # Config keys that a transformers config accepts without holding them as plain attributes.
 _EXTRA_KEYS = frozenset({"attn_implementation"})
@@ -63,6 +67,10 @@ _ZOO: dict[str, _Entry] = {
         {
             "tiny": {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 128},
             "small": {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 256},
+            "bench-tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 64},
+            "bench": {"n_layer": 4, "n_embd": 512, "n_head": 8, "n_positions": 256},
+            "gpu": {"n_layer": 4, "n_embd": 2048, "n_head": 16, "n_positions": 1024,
+                    "vocab_size": 50257},
         },
         "causal",
         ("transformer.h",),
@@ -76,6 +84,10 @@ _ZOO: dict[str, _Entry] = {
                      "intermediate_size": 64, "max_position_embeddings": 128},
             "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                       "intermediate_size": 512, "max_position_embeddings": 256},
+            "bench-tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+                           "intermediate_size": 256, "max_position_embeddings": 64},
+            "bench": {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                      "intermediate_size": 2048, "max_position_embeddings": 256},
         },
         "masked",
         ("bert.encoder.layer",),
@@ -92,6 +104,15 @@ _ZOO: dict[str, _Entry] = {
             "small": {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                       "num_key_value_heads": 4, "intermediate_size": 384,
                       "max_position_embeddings": 256},
+            "bench-tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+                           "num_key_value_heads": 2, "intermediate_size": 172,
+                           "max_position_embeddings": 64},
+            "bench": {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                      "num_key_value_heads": 8, "intermediate_size": 1376,
+                      "max_position_embeddings": 256},
+            "gpu": {"num_hidden_layers": 4, "hidden_size": 2048, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "intermediate_size": 5504,
+                    "max_position_embeddings": 1024, "vocab_size": 32000},
         },
         "causal",
         ("model.layers",),
@@ -140,9 +161,13 @@ _ZOO: dict[str, _Entry] = {
 }
 
 
-def list_models() -> list[str]:
-    """The names :func:`make_model` knows, sorted."""
-    return sorted(_ZOO)
+def list_models(size: str | None = None) -> list[str]:
+    """The names :func:`make_model` knows (at ``size``, when given), sorted.
+
+    >>> list_models("gpu")
+    ['gpt2', 'llama']
+    """
+    return sorted(name for name, entry in _ZOO.items() if size is None or size in entry.sizes)
 
 
 def layer_paths(name: str) -> list[str]:
@@ -175,7 +200,7 @@ def make_model(name: str, size: str = "tiny", *, seed: int | None = None,
 
     Args:
         name: one of :func:`list_models`.
-        size: ``"tiny"`` (tests) or ``"small"`` (the demo).
+        size: ``"tiny"`` (tests), ``"small"`` (the demo) or a bench size (module docstring).
         seed: when given, initialise the weights from this seed without touching the global
             random state; otherwise the global torch generator is used.
         **overrides: config fields that replace the zoo's values, e.g. ``n_layer=1`` or
@@ -188,9 +213,9 @@ def make_model(name: str, size: str = "tiny", *, seed: int | None = None,
         ScheduleError: unknown name, size or config field.
     """
     entry = _entry(name, "make_model")
-    if size not in SIZES:
+    if size not in entry.sizes:
         raise UnknownModelError(
-            f"unknown size {size!r}; sizes: {', '.join(SIZES)}",
+            f"unknown size {size!r}; sizes: {', '.join(entry.sizes)}",
             primitive="make_model",
             values={"name": name, "size": size},
             fix=f"make_model({name!r}, size='tiny')",

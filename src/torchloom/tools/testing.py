@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..core.marks import SYNCS, get_mark, marks_of
-from ..core.outputs import tensors_in
 from ..core.meta import get_meta, has_meta
+from ..core.outputs import tensors_in
 from ..core.recipe import Recipe, apply_recipe
 from ..core.schedule import Schedule
 

@@ -55,7 +55,7 @@ errs by a sizeable fraction of it. Use ``0, 0`` to demand bitwise equality
 ...     sch["1"].replace(torch.nn.ReLU())
 Traceback (most recent call last):
 ...
-torchloom.tools.verify.VerificationError: sch['1'].Verify(...): the forward output differs from the original model's
+torchloom.core.errors.VerificationError: sch['1'].Verify(...): the forward output differs from the original model's
     values: phase='forward output', call=0, max_abs_error=..., rtol=0.0001, atol=1e-07
     fix: look at what the schedule did at or below this path: sch['1'].replace(...)
 """
@@ -73,16 +73,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import VerificationError
+from ..core.errors import ScheduleError, VerificationError
 from ..core.marks import SYNCS, get_mark
+from ..core.meta import ShardSpec, shard_spec
+from ..core.outputs import tensors_in
+from ..core.placement import output_placement
 from ..runtime import collectives as C
 from ..runtime.agree import check_ranks_agree
-from ..core.outputs import tensors_in
-from .check import check, effective_output_placement
-from ..core.errors import ScheduleError
-from ..core.meta import ShardSpec, shard_spec
-from ..core.placement import output_placement
 from ..runtime.rng import get_rng_tracker
+from .check import check, effective_output_placement
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule

@@ -33,12 +33,12 @@ The pieces, each usable alone:
 
 from __future__ import annotations
 
-from .database import Database, TrialRecord
 from ..core.errors import TuneDatabaseError, TuneError
+from ..runtime.memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
+from .database import Database, TrialRecord
 from .evaluate import Evaluator, Result, TrainEvaluator
 from .fingerprint import study_fingerprint
 from .layouts import LayoutTrial, LayoutTuneResult, measure_on_local_ranks, tune_layouts
-from ..runtime.memory import CostModel, LiveBytes, MemoryEstimate, count_saved, state_bytes
 from .plot import plot_space
 from .space import Space, Symbol, point_key
 from .strategies import BinarySearch, Exhaustive, ModelBased, Strategy, make_strategy

@@ -2,8 +2,8 @@
 
 An evaluator is any callable ``evaluate(recipe, point) -> Result``. The tuner calls it
 in-process, one candidate at a time. :class:`TrainEvaluator` is the default: it replays
-the recipe on a fresh model, builds it with an AdamW optimizer, trains a few steps on the
-CPU (or any device the model lives on) and reports
+the recipe on a fresh model, builds it with an AdamW optimizer, trains a few steps
+(:func:`~torchloom.runtime.loop.train_step`) on its device and reports
 
 * throughput: tokens per second (``input_ids.numel()`` per step; samples per second when
   the inputs have no ``input_ids``) of the median step after the warm-up (the median
@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..runtime.build import build
+from ..runtime.loop import train_step
 from ..core.recipe import Recipe, apply_recipe
 from ..runtime.memory import LiveBytes, default_loss
 
@@ -132,9 +133,7 @@ class TrainEvaluator:
             work = first.shape[0]
 
         def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            self.loss_fn(model(**inputs)).backward()
-            optimizer.step()
+            train_step(lambda: self.loss_fn(model(**inputs)), optimizer, read_loss=False)
 
         step()  # creates the optimizer state: from here on every step is alike
         live = LiveBytes()

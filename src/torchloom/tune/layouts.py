@@ -111,8 +111,8 @@ def measure_on_local_ranks(model: str, *, batch_size: int, size: str = "tiny",
     ``tokens_per_s`` (the global batch over the median of the slowest rank's timed steps)
     and ``peak`` (the largest rank's peak of live storages). ``model`` is a zoo name."""
     def measure(layout: Layout, knobs: dict[str, Any]) -> dict[str, Any]:
-        from ..runtime.launch import raise_first_failure, run_ranks
         from ..plan.validate import measure_many
+        from ..runtime.launch import raise_first_failure, run_ranks
 
         if layout.mixed_precision:
             raise TuneError(

@@ -51,8 +51,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from .database import TrialRecord
 from ..core.errors import TuneError
+from .database import TrialRecord
 from .space import Point, Space, point_key
 
 __all__ = ["STRATEGIES", "BinarySearch", "Exhaustive", "ModelBased", "Strategy", "make_strategy"]

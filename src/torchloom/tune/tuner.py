@@ -51,14 +51,13 @@ from typing import Any
 
 from torch import nn
 
-from ..core.errors import RecipeError
+from ..core.errors import RecipeError, TuneError
 from ..core.recipe import Recipe
 from ..core.schedule import Schedule, create_schedule
-from .database import Database, TrialRecord
-from ..core.errors import TuneError
-from .fingerprint import study_fingerprint
-from .evaluate import Evaluator, Result, describe_exception
 from ..runtime.memory import CostModel, MemoryEstimate, fake_mode
+from .database import Database, TrialRecord
+from .evaluate import Evaluator, Result, describe_exception
+from .fingerprint import study_fingerprint
 from .space import Point, Space, point_key
 from .strategies import Strategy, make_strategy
 

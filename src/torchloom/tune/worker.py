@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from ..runtime.collectives import guard_collective
-from ..core.recipe import Recipe, import_ref, ref_of
 from ..core.errors import TuneError
+from ..core.recipe import Recipe, import_ref, ref_of
+from ..runtime.collectives import guard_collective
 from .evaluate import Result, TrainEvaluator, describe_exception
 
 __all__ = ["TorchrunEvaluator", "main"]
