@@ -146,7 +146,7 @@ def test_recipe_round_trip():
     sch["transformer.h"].checkpoint(ratio=0.5)
     sch["transformer.h.*"].compile(backend="aot_eager", dynamic=False)
     assert str(sch.recipe).splitlines()[-1] == \
-        "sch['transformer.h.1'].compile('aot_eager', dynamic=False)"
+        "sch['transformer.h.1'].compile(backend='aot_eager', dynamic=False)"
     verify_recipe_roundtrip(sch, _gpt2, _inputs(model))
 
 
@@ -223,7 +223,8 @@ def test_group_compile_and_primitive_listing():
     sch = tl.create_schedule(model)
     sch["transformer.h.*"].compile(backend="eager")
     assert [e.call_text() for e in sch.recipe] == [
-        "sch['transformer.h.0'].compile('eager')", "sch['transformer.h.1'].compile('eager')"]
+        "sch['transformer.h.0'].compile(backend='eager')",
+        "sch['transformer.h.1'].compile(backend='eager')"]
 
 
 def test_replay_on_a_fresh_model_compiles_it():

@@ -17,7 +17,7 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from tests.test_tp_models_dist import gpt2, llama
+from tests.tp_models import gpt2, llama
 from torchloom.runtime.parallel import init_mesh
 from torchloom.schedules import apply_schedule
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from tests.test_replace import make_explicit_mlp
+from tests.helpers import make_explicit_mlp
 from torchloom.tools.testing import verify_recipe_roundtrip
 
 

@@ -13,7 +13,7 @@ from torch import nn
 import torchloom as tl
 import torchloom.graph.pattern as P
 from tests import tiny
-from tests.test_trace import llama
+from tests.trace_models import llama
 from torchloom.core.errors import PatternError, TraceError
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ import transformers as T
 from torch import nn
 
 import torchloom as tl
-from tests.test_hf_plan_dist import (
+from tests.hf_plan_models import (
     DENSE,
     gemma,
     gemma4_vision,
@@ -182,7 +182,7 @@ def test_knobs():
     assert any("q_proj" in line for line in whole)
     plain = _lines(_scheduled(llama, tp=False, ckpt_ratio=1.0, compile="eager"))
     assert plain[0] == "sch['model.layers'].checkpoint(ratio=1.0)"
-    assert plain[1:] == [f"sch['model.layers.{i}'].compile('eager')" for i in range(2)]
+    assert plain[1:] == [f"sch['model.layers.{i}'].compile(backend='eager')" for i in range(2)]
     both = _lines(_scheduled(t5gemma, ckpt_ratio=0.5))  # every stack of layers
     assert "sch['model.encoder.layers'].checkpoint(ratio=0.5)" in both
     assert "sch['model.decoder.layers'].checkpoint(ratio=0.5)" in both

@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from tests.test_defaults import LAYERS, batch, default_model
+from tests.default_models import LAYERS, batch, default_model
 from torchloom import schedules
 from torchloom.core.errors import BuildError, TraceError
 from torchloom.graph import tracing

@@ -8,20 +8,12 @@ import re
 
 import pytest
 import torch
-import transformers
 
 import torchloom as tl
 from tests import tiny
+from tests.tiny import llama
 from torchloom.runtime.pipeline import check_schedule
 from torchloom.runtime.pipeline_split import cut_paths, split_stages
-
-
-def llama(n_layer: int = 4) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
 def _ids(rows: int = 2) -> torch.Tensor:

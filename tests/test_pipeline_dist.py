@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torchloom as tl
 from tests import tiny
 from tests.dist import spawn
-from tests.test_pipeline import llama
+from tests.tiny import llama
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from tests.test_replace import make_explicit_mlp, make_tanh_gelu, make_tanh_gelu_at
+from tests.helpers import make_explicit_mlp, make_tanh_gelu, make_tanh_gelu_at
 from torchloom.core.recipe import RecipeEntry, import_ref, ref_of
 from torchloom.tools.testing import verify_recipe_roundtrip
 
@@ -52,12 +52,12 @@ def test_printed_recipe_is_the_script_a_user_would_write():
     sch["transformer.h.0.mlp"].replace(make_explicit_mlp)
     sch["transformer.h.1.mlp.c_fc"].annotate("weight", "meta", {"k": (1, 2), "d": torch.float16})
     assert str(sch.recipe) == (
-        "import tests.test_replace\n"
+        "import tests.helpers\n"
         "import torch\n"
         "import torchloom\n"
         "\n"
         "sch = torchloom.create_schedule(model)\n"
-        "sch['transformer.h.0.mlp'].replace(tests.test_replace.make_explicit_mlp)\n"
+        "sch['transformer.h.0.mlp'].replace(tests.helpers.make_explicit_mlp)\n"
         "sch['transformer.h.1.mlp.c_fc'].annotate('weight', 'meta', "
         "{'k': (1, 2), 'd': torch.float16})"
     )
@@ -70,12 +70,12 @@ def test_json_encodes_data_and_references():
     data = json.loads(sch.recipe.to_json())
     assert data["torchloom_recipe"] == 1
     assert data["entries"][0]["args"][2] == {"t": {"__tuple__": [1]}, "l": [None, 2.5]}
-    assert data["entries"][1]["args"] == [{"__ref__": "tests.test_replace:make_explicit_mlp"}]
+    assert data["entries"][1]["args"] == [{"__ref__": "tests.helpers:make_explicit_mlp"}]
     # a reference outside torch / torchloom / transformers resolves only when trusted
     trusted = sch.recipe.references()
-    assert trusted == {"tests.test_replace:make_explicit_mlp": make_explicit_mlp}
+    assert trusted == {"tests.helpers:make_explicit_mlp": make_explicit_mlp}
     assert tl.Recipe.from_json(sch.recipe.to_json(), trusted_refs=trusted) == sch.recipe
-    with pytest.raises(tl.RecipeError, match="'tests.test_replace:make_explicit_mlp' is not trusted"):
+    with pytest.raises(tl.RecipeError, match="'tests.helpers:make_explicit_mlp' is not trusted"):
         tl.Recipe.from_json(sch.recipe.to_json())
 
 
@@ -106,7 +106,7 @@ def test_lambdas_and_local_functions_are_not_data():
 
     assert ref_of(local) is None
     assert ref_of(lambda old: old) is None
-    assert ref_of(make_tanh_gelu) == "tests.test_replace:make_tanh_gelu"
+    assert ref_of(make_tanh_gelu) == "tests.helpers:make_tanh_gelu"
     assert ref_of(nn.Linear(1, 1)) is None
     sch = tl.create_schedule(nn.Sequential(nn.Linear(1, 1)))
     sch["0"].replace(local)
@@ -122,8 +122,8 @@ def test_from_json_rejects_other_text():
 
 
 def test_import_ref_error():
-    with pytest.raises(tl.RecipeError, match=re.escape("cannot import 'tests.test_replace:nope'")):
-        import_ref("tests.test_replace:nope")
+    with pytest.raises(tl.RecipeError, match=re.escape("cannot import 'tests.helpers:nope'")):
+        import_ref("tests.helpers:nope")
 
 
 def test_recipe_for_another_model_lists_each_failing_line():

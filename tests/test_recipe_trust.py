@@ -22,7 +22,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from tests.test_replace import make_explicit_mlp
+from tests.helpers import make_explicit_mlp
 from torchloom.core.meta import has_meta
 from torchloom.core.recipe import MAX_DEPTH, RecipeEntry, resolve_ref
 from torchloom.tools.testing import verify_recipe_roundtrip
@@ -144,15 +144,15 @@ def test_trusted_refs_let_a_recipe_name_the_callers_functions() -> None:
     sch = tl.create_schedule(tiny.gpt2())
     sch["transformer.h.0.mlp"].replace(make_explicit_mlp)
     text = sch.recipe.to_json()
-    with pytest.raises(tl.RecipeError, match="'tests.test_replace:make_explicit_mlp' is not "
+    with pytest.raises(tl.RecipeError, match="'tests.helpers:make_explicit_mlp' is not "
                        "trusted"):
         tl.apply_recipe(tiny.gpt2(), text)
-    trusted = {"tests.test_replace:make_explicit_mlp": make_explicit_mlp}
+    trusted = {"tests.helpers:make_explicit_mlp": make_explicit_mlp}
     replayed = tl.apply_recipe(tiny.gpt2(), text, trusted_refs=trusted)
     assert replayed.recipe == sch.recipe
     assert type(replayed.mod.transformer.h[0].mlp) is type(sch.mod.transformer.h[0].mlp)
     # a trusted name maps to the object the caller gives, whatever the text claims
-    fake = {"tests.test_replace:make_explicit_mlp": make_explicit_mlp}
+    fake = {"tests.helpers:make_explicit_mlp": make_explicit_mlp}
     assert tl.Recipe.from_json(text, trusted_refs=fake)[0].args[0] is make_explicit_mlp
 
 

@@ -7,44 +7,19 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import torchloom as tl
 from tests import tiny
+from tests.helpers import (
+    ExplicitMLP,
+    TanhGelu,
+    make_explicit_mlp,
+    make_tanh_gelu,
+    make_tanh_gelu_at,
+)
 from torchloom.core.marks import CHECKPOINTED, FORK_RNG, has_mark
 from torchloom.tools.testing import verify_recipe_roundtrip
-
-
-class TanhGelu(nn.Module):
-    """GELU written out (tanh approximation), as a user kernel would be."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate="tanh")
-
-
-def make_tanh_gelu(old: nn.Module) -> nn.Module:
-    return TanhGelu()
-
-
-def make_tanh_gelu_at(path: str, old: nn.Module) -> nn.Module:
-    return TanhGelu()
-
-
-class ExplicitMLP(nn.Module):
-    """GPT-2's MLP with the same parameters, written with F.linear."""
-
-    def __init__(self, old: nn.Module) -> None:
-        super().__init__()
-        self.c_fc, self.c_proj, self.dropout = old.c_fc, old.c_proj, old.dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(x @ self.c_fc.weight + self.c_fc.bias, approximate="tanh")
-        return self.dropout(h @ self.c_proj.weight + self.c_proj.bias)
-
-
-def make_explicit_mlp(old: nn.Module) -> nn.Module:
-    return ExplicitMLP(old)
 
 
 def _loss_and_grads(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """State dicts and checkpoints across world sizes, on gloo ranks.
 
-* TP=2 GPT-2 (Megatron schedule of ``tests.test_tp_models_dist``): ``full_state_dict``
+* TP=2 GPT-2 (Megatron schedule of ``tests.tp_models``): ``full_state_dict``
   equals the reference model's ``state_dict`` exactly, key order included, and loads into a
   fresh transformers model with ``strict=True``;
 * a checkpoint saved at TP=2 with AdamW state after two steps loads back at TP=2 (local
@@ -27,7 +27,8 @@ import transformers
 from torch import nn
 
 import torchloom as tl
-from tests.test_tp_models_dist import _batch, gpt2, tp_gpt2
+from tests import tp_models
+from tests.tp_models import gpt2, tp_gpt2
 from torchloom.runtime import state as S
 from torchloom.runtime.launch import free_port as _free_port
 
@@ -59,7 +60,7 @@ def _adamw(model: nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> torch.Tensor:
-    batch = _batch()
+    batch = tp_models.batch()
     for _ in range(steps):
         opt.zero_grad()
         model(**batch).loss.backward()

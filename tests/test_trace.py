@@ -13,6 +13,7 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
+from tests.trace_models import VOCAB, llama
 from torchloom.core.errors import PathError, TraceError, TraceGuardError
 from torchloom.core.marks import CHECKPOINTED, FORK_RNG, SYNCS, get_mark, has_mark
 from torchloom.graph.graph_module import is_traced
@@ -22,19 +23,8 @@ from torchloom.tools.testing import verify_recipe_roundtrip
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
 
-VOCAB = 128
-
 
 # --------------------------------------------------------------------------- models
-
-
-def llama() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def t5() -> nn.Module:

@@ -10,21 +10,8 @@ from torch import nn
 
 import torchloom as tl
 from tests import tiny
-from tests.test_replace import make_explicit_mlp
+from tests.helpers import UnseededCheckpoint, make_explicit_mlp
 from torchloom.tools.check import check
-
-
-class UnseededCheckpoint(nn.Module):
-    """A hand-made checkpoint wrapper that forgets to replay the RNG state (a planted bug:
-    dropout in the recompute draws other masks than the forward did)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(
-            self.inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
 def _inputs() -> dict:

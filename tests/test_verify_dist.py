@@ -13,8 +13,8 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
-from tests.test_tp_models_dist import CASES, gpt2, gpt2_attention_split
-from tests.test_verify import UnseededCheckpoint
+from tests.helpers import UnseededCheckpoint
+from tests.tp_models import CASES, gpt2, gpt2_attention_split
 from torchloom.runtime import collectives as C
 from torchloom.schedules._common import column, row
 

@@ -26,6 +26,15 @@ def bert(seed: int = 0, dropout: float = 0.0, n_layer: int = 2) -> transformers.
     return transformers.BertForMaskedLM(cfg)
 
 
+def llama(n_layer: int = 4) -> transformers.LlamaForCausalLM:
+    """Four layers by default (room for three pipeline stages); token ids 0 like the others."""
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
 def token_batch(seed: int = 1, batch: int = 2, seq: int = 16, vocab: int = 128) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)

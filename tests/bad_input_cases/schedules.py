@@ -112,7 +112,7 @@ def schedule_vit_intermediate_size_does_not_divide():
 
 
 def _heads(model: str, path: str, field: str, value: int, world: int, what: str) -> str:
-    return (rf"sch\['{path}'\]\.models\.schedule_{model}\(\.\.\.\): tensor parallelism gives "
+    return (rf"sch\['{path}'\]\.schedules\.schedule_{model}\(\.\.\.\): tensor parallelism gives "
             rf"each of the {world} ranks {what}, and {field}={value} does not divide by "
             rf"{world}.*values: {field}={value}, tp_degree={world}.*fix: use a "
             rf"tensor-parallel group whose size divides {value} .*config\.{field} = ")
@@ -144,12 +144,12 @@ CASES: list[tuple[Callable, type, str]] = [
      _heads("llama", r"model\.layers\.\*\.self_attn", "num_attention_heads", 6, 4,
             "whole query heads") + "8"),
     (schedule_llama_kv_heads_not_a_multiple_of_the_degree, tl.ScheduleError,
-     r"sch\['model\.layers\.\*\.self_attn'\]\.models\.schedule_llama\(\.\.\.\): .*whole KV "
+     r"sch\['model\.layers\.\*\.self_attn'\]\.schedules\.schedule_llama\(\.\.\.\): .*whole KV "
      r"heads .*num_key_value_heads=3 is neither a multiple nor a divisor of 2.*fix: use a "
      r"tensor-parallel degree that divides num_key_value_heads \(\[1, 3\]\) or is a multiple "
      r"of it dividing num_attention_heads \(\[6\]\)"),
     (schedule_llama_kv_heads_not_a_divisor_of_the_degree, tl.ScheduleError,
-     r"sch\['layers\.\*\.self_attn'\]\.models\.schedule_llama\(\.\.\.\): .*"
+     r"sch\['layers\.\*\.self_attn'\]\.schedules\.schedule_llama\(\.\.\.\): .*"
      r"num_key_value_heads=2 is neither a multiple nor a divisor of 3.*values: "
      r"num_key_value_heads=2, num_attention_heads=6, tp_degree=3.*\(\[1, 2\]\).*\(\[6\]\)"),
     (schedule_llama_intermediate_size_does_not_divide, tl.ScheduleError,

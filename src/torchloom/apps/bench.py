@@ -10,46 +10,11 @@ Each model is trained for a few steps in one process, in three variants:
   primitive; ``schedule_compile=False`` leaves it out) and activation checkpointing on a
   ratio of the layers. The module tree and state-dict keys stay those of the model.
 
-The point is the paper's: under a fixed budget for activation memory, the schedule buys a
-larger batch (compiled layers save fewer activations, checkpointed ones only their
-inputs). The batch of each variant is the largest (up to ``max_batch``) whose peak
-saved-activation bytes fit ``budget_bytes``; eager and compile get eager's batch, the
-schedule gets its own; the batch every checkpoint ratio ``k / layers`` (or the size's
-grid, ``ModelSize.ckpt_ratios``) would get is in the results (``ckpt_batches``).
-
-The schedule is chosen by measurement (``ckpt_ratio=None`` and ``sweep_steps > 0``, the
-default): the candidates are the built-in schedule with compiled layers and no
-checkpointing, the same with the least checkpoint ratio whose batch is at least twice
-eager's, and, so that the choice can never be worse than a baseline it could have been, the
-schedule that applies nothing (eager's code) and the one that compiles the whole model
-(``sch.compile()`` on the root), both at eager's batch. Each candidate is built and warmed
-up (compiled), then all run ``sweep_steps`` interleaved rounds in a rotating order; the one
-with the most tokens/s (median) is the schedule row, and every candidate's figure is in the
-results (``ckpt_sweep``) and printed. With ``sweep_steps=0`` nothing is measured: compiled
-layers without checkpointing, or with plain layers the doubling ratio. Recomputing costs
-about a third of a layer's work, so checkpointing pays where a larger batch runs faster
-(GPUs) and not where the matmuls are already saturated at the smaller batch (these CPUs).
-
-Activation bytes are exact: a :func:`torch.autograd.graph.saved_tensors_hooks` pack hook
-(:func:`torchloom.runtime.memory.count_saved`) adds up the distinct storages autograd saves,
-parameters excluded, plus the inputs a checkpointed layer keeps for its recompute.
-``saved_activation_bytes`` is what the forward leaves for backward; ``peak_activation_bytes``
-also covers the backward, where recomputing checkpointed layer ``j`` saves that layer's
-activations again on top of what was saved before it (later layers are freed by then).
-Both grow affinely with the batch, so the fit uses exact counts at batch 2 and 3 (compiled
-code is compiled afresh for each, with static shapes, as in the timed run); the reported
-values are counted on the warm-up step at the batch that was run.
-
-MFU is ``model FLOPs per step / (median step time x peak FLOP/s)``. Model FLOPs are
-counted by :class:`torch.utils.flop_counter.FlopCounterMode` on one forward and backward of
-the unscheduled model (so recomputation is not counted as useful work); ``6 N tokens`` is
-reported next to it. The peak is measured in the same run: a square matmul loop
-(2048 x 2048 fp32 on CPU, 4096 x 4096 bf16 on CUDA, best of 3) before the first model and
-after every round; the best of these is the peak (the median is reported too).
-
-Variants run interleaved, one step each per round, in an order that rotates every
-round; the medians over rounds are reported. On CUDA the steps run under bf16 autocast,
-are timed with synchronisation, and ``torch.cuda.max_memory_allocated`` is reported too.
+Under a fixed budget for activation memory the schedule buys a larger batch: each
+variant runs the largest batch (up to ``max_batch``) whose peak saved-activation bytes fit
+``budget_bytes``; tokens/s, activation bytes and MFU are reported per variant. How the
+batches, the schedule's candidates, the activation bytes and MFU are measured:
+docs/design/bench.md.
 
 >>> SIZES["tiny"], zoo.list_models(SIZES["tiny"].zoo_size)   # torchloom bench --size tiny
 (ModelSize(zoo_size='bench-tiny', seq_len=32, ckpt_ratios=None), ['bert', 'gpt2', 'llama'])
@@ -73,15 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import schedules
 from ..core.errors import CliOptionError
 from ..core.marks import CHECKPOINTED, has_mark
-from .. import schedules
-from ..schedules import zoo
+from ..core.schedule import create_schedule
+from ..plan.profiles import matmul_rate
+from ..plan.profiles import sync as _sync
 from ..runtime.build import build
 from ..runtime.loop import train_step
-from ..plan.profiles import matmul_rate, sync as _sync
-from ..core.schedule import create_schedule
 from ..runtime.memory import count_saved
+from ..schedules import zoo
 
 __all__ = [
     "SIZES",
@@ -121,7 +87,7 @@ SIZES: dict[str, ModelSize] = {
 
 @dataclass
 class BenchConfig:
-    """What ``torchloom bench`` runs (see the module docstring).
+    """What ``torchloom bench`` runs (see docs/design/bench.md).
 
     Attributes:
         models: zoo names, each with the size's zoo size.
@@ -129,7 +95,7 @@ class BenchConfig:
         steps: timed rounds (one step of each variant per round).
         budget_bytes: the activation-memory budget.
         max_batch: the largest batch tried.
-        ckpt_ratio: the schedule's checkpoint ratio; None chooses it (module docstring).
+        ckpt_ratio: the schedule's checkpoint ratio; None chooses it by measuring.
         device: ``"cpu"`` (fp32) or ``"cuda"`` (bf16 autocast).
         compile_backend: ``torch.compile``'s backend.
         seed: weights and data.
@@ -548,7 +514,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             whole = v.name == "compile" or (v.name == "torchloom" and chosen.scope == "whole")
-            forward, counted = functools.partial(_loss, v.call, inputs, device), []
+            forward = functools.partial(_loss, v.call, inputs, device)
+            counted: list[_Saved] = []
             train_step(functools.partial(_count, v.model, name, forward, counted, hooks=not whole),
                        v.optimizer, read_loss=False)  # backward outside the counting hooks
             if device.type == "cuda":

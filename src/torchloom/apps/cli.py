@@ -45,16 +45,16 @@ from rich.progress import (
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..core.errors import CliOptionError
 from ..core import __version__
-from . import data
-from ..schedules import zoo
-from .cli_errors import clean_errors as _clean_errors
-from ..runtime.build import build
-from ..runtime.loop import lr_at, train_step
-from ..primitives import list_primitives
+from ..core.errors import CliOptionError
 from ..core.schedule import Schedule, create_schedule
 from ..core.show import rich_tree
+from ..primitives import list_primitives
+from ..runtime.build import build
+from ..runtime.loop import lr_at, train_step
+from ..schedules import zoo
+from . import data
+from .cli_errors import clean_errors as _clean_errors
 
 __all__ = ["app", "main", "apply_demo_schedule"]
 

@@ -17,17 +17,6 @@ tensor-parallel plan (:func:`torchloom.schedules.apply_schedule`: tensor paralle
 sequence parallelism, checkpointing); a class with neither trains with checkpointing only
 (``ckpt_ratio`` on its layer lists) and refuses ``tp``.
 
-Everything a step depends on is a function of the step number, so a run killed at any
-point and resumed from its last checkpoint computes the same losses, bit for bit on CPU,
-as a run that was never interrupted:
-
-* the batch of step ``s`` is drawn with a generator seeded by ``(seed, s)``;
-* the random state (dropout) is re-seeded at the start of every step from ``(seed, s)``
-  (per tensor-parallel rank for the ``fork_rng`` state);
-* the learning rate is a function of ``s`` (:func:`lr_at`: warm-up, then decay);
-* evaluation reads fixed held-out windows with dropout off and draws nothing;
-* the weights and the optimizer state come from the checkpoint (``torchloom.save``).
-
 A step: ``grad_accum`` forward/backward micro-steps (DDP / FSDP2 synchronise only on the
 last one), the mean loss checked for NaN or infinity (a :class:`NonFiniteLossError`
 naming the step, raised before the step's optimizer update and before any checkpoint of
@@ -36,12 +25,9 @@ tensor-parallel shard, FSDP2 shard and pipeline stage), then AdamW (the step of 
 command, :func:`torchloom.runtime.loop.train_step`). With ``dtype="bf16"``
 the forward runs under bf16 autocast (FSDP2: ``MixedPrecisionPolicy``).
 
-A checkpoint also holds the run's configuration (:data:`RUN_FIELDS` and the schedule's
-recipe): ``--resume`` with another one refuses, naming the fields that differ (unless
-``allow_config_change``), and ``--resume`` where nothing loadable exists refuses naming
-the directory and what it holds. A pipeline run saves each stage into its own
-``save_dir/stage-K`` (its optimizer state with it) and resumes from the newest step that
-every stage saved.
+Everything a step depends on is a function of the step number, so a run resumed from
+its last checkpoint computes the same losses, bit for bit on CPU, as one never interrupted;
+a checkpoint holds the run's configuration, which ``--resume`` checks: docs/design/train.md.
 
 Launch with ``torchrun --nproc-per-node N -m torchloom train --tp T --dp D --pp P``
 (N = T x D x P), or without torchrun on CPU: ``torchloom train --tp 2`` starts the ranks
@@ -71,20 +57,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import NonFiniteLossError
-from . import data
 from .. import schedules
-from ..schedules import zoo
+from ..core.errors import NonFiniteLossError, ScheduleError
+from ..core.meta import shard_spec
 from ..core.outputs import no_cache_kwargs
+from ..core.schedule import create_schedule
 from ..runtime.build import build
+from ..runtime.collectives import guard_collective
 from ..runtime.loop import lr_at, train_step
 from ..runtime.materialise import init_empty_weights
-from ..runtime.collectives import guard_collective
-from ..core.errors import ScheduleError
-from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
-from ..core.meta import shard_spec
 from ..runtime.rng import get_rng_tracker, set_random_seed
-from ..core.schedule import create_schedule
 from ..runtime.state import (
     CheckpointIOError,
     CheckpointMismatchError,
@@ -95,6 +77,9 @@ from ..runtime.state import (
     load_checkpoint,
     save,
 )
+from ..schedules import zoo
+from . import data
+from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
 
 __all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError", "batch_at",
            "check_config", "count_parameters", "layer_lists", "load_data", "lr_at",

@@ -17,13 +17,13 @@ from torch import nn
 from ..core.errors import CheckpointMismatchError
 from ..core.meta import ShardSpec, shard_spec
 from .collectives import guard_collective
-from .process_group import _rank, _size
+from .process_group import group_rank, group_size
 
 __all__ = ["CheckpointMismatchError", "full_optimizer_state_dict", "full_state_dict"]
 
 
-def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
-    size, rank = _size(group), _rank(group)
+def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
+    size, rank = group_size(group), group_rank(group)
     if spec.world_size != size or spec.rank != rank:
         raise CheckpointMismatchError(
             f"{key!r} was sharded for rank {spec.rank} of {spec.world_size}, but this is "
@@ -46,9 +46,9 @@ def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
         )
 
 
-def _gather(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
+def gather_shards(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
             primitive: str) -> torch.Tensor:
-    _check_spec(key, spec, group, primitive)
+    check_spec(key, spec, group, primitive)
     local = tensor.detach()
     if spec.world_size == 1:
         return spec.gather([local])
@@ -92,7 +92,7 @@ def full_state_dict(model: nn.Module, group: Any = None) -> dict[str, torch.Tens
             out[key] = tensor.detach()
             continue
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = _gather(key, tensor, spec, group, "full_state_dict")
+            gathered[id(tensor)] = gather_shards(key, tensor, spec, group, "full_state_dict")
         out[key] = gathered[id(tensor)]
     return out
 
@@ -142,7 +142,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             state = {}
             for key, value in optimizer.state.get(p, {}).items():
                 if spec is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = _gather(f"{name}.{key}", value, spec, group,
+                    value = gather_shards(f"{name}.{key}", value, spec, group,
                                     "full_optimizer_state_dict")
                 state[key] = value
             out[name] = state

@@ -1,36 +1,11 @@
 """Pipeline stages: split a traced model at its ``cut_pipeline_stage`` marks (the stages
 run in :mod:`torchloom.runtime.pipeline`).
 
-How a model becomes stages:
-
-1. **Flatten.** The root and every traced module on the way to a cut (``trace_until``
-   made them graphs) are inlined into one flat graph; the cut modules, and everything off
-   the way, stay ``call_module`` nodes, so their hooks, shards and syncs run unchanged.
-2. **Assign.** Walking the flat graph in order, every node belongs to the current stage;
-   after the ``call_module`` of a cut module the next stage begins.
-3. **Liveness.** For each stage, the values it needs that an earlier stage (or the model
-   input) produced are its inputs, and the values later stages need are its outputs, so
-   a value made in stage 0 and used in stage 3 is passed through stages 1 and 2.
-   Values that cross a boundary must be tensors for ``torch.distributed.pipelining`` to
-   send them: sizes, flags and other Python values computed on the way (the sequence
-   length, a ``None`` mask) are replaced, in the later stages, by the value they had on
-   the example micro-batch. Micro-batches therefore all have the example's shape, which
-   the pipelining runtime requires anyway. (On torch < 2.13 integer and boolean tensors
-   cross as floating point and are cast back, see :mod:`torchloom.runtime.compat`.)
-4. **Stages.** Each stage is a ``GraphModule`` over the original modules (same
-   parameter objects and names). The last stage returns the model's output; a
-   transformers ``ModelOutput`` / dict is reduced to its ``logits`` (or its first tensor)
-   for the loss function.
-
-Parameters shared by several stages (GPT-2's ``lm_head`` and ``wte``) are in every stage
-that uses them; :func:`tied_weights` lists them (which stages share which parameter,
-under which names).
-
-A model built under ``init_empty_weights`` (``meta`` weights, nothing allocated) is split
-the same way: the example values are then computed on fake tensors (see
-:func:`torchloom.graph.tracing.value_mode`), and without ``example_inputs`` the split uses
-:func:`torchloom.graph.tracing.dummy_inputs` made from the model's config. Stages are then cut
-before any weight exists; ``build`` materialises them.
+The model is flattened along the way to the cuts, every node assigned to a stage, the
+values that cross a boundary found by liveness (non-tensor values are fixed to the example
+micro-batch's), and each stage is a GraphModule over the original modules; weights shared
+by stages are listed by tied_weights. A meta model splits the same way on fake tensors:
+docs/design/pipeline_split.md.
 
 >>> import torch
 >>> from torch import nn

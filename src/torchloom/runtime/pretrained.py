@@ -36,7 +36,9 @@ from torch import nn
 
 from ..core.errors import PretrainedError
 from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark
-from ..core.meta import ShardSpec, shard_spec
+from ..core.meta import shard_spec
+from .gather import check_spec, gather_shards
+from .process_group import group_rank, group_size
 
 __all__ = ["save_pretrained", "PretrainedInfo", "describe_model", "gather_full_state_dict",
            "is_output_name"]
@@ -145,14 +147,6 @@ def describe_model(model: nn.Module) -> PretrainedInfo:
 # --------------------------------------------------------------------------- local entries
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _is_dtensor(t: Any) -> bool:
     return hasattr(t, "full_tensor") and hasattr(t, "placements")
 
@@ -176,20 +170,6 @@ class _Entry:
     """Collective among the ranks that hold the key: the full tensor."""
 
 
-def _check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
-    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-    if spec.world_size != size or spec.rank != rank:
-        raise PretrainedError(
-            f"{key!r} was sharded for rank {spec.rank} of {spec.world_size}, but this is rank "
-            f"{rank} of a group of {size}",
-            primitive=primitive,
-            values={"key": key, "spec_world_size": spec.world_size, "spec_rank": spec.rank,
-                    "group_size": size, "group_rank": rank},
-            fix=f"pass the tensor-parallel group the model was scheduled with: "
-            f"{primitive}(model, path, group=sch.group)")
-
-
 def _full(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> torch.Tensor:
     """The full tensor: FSDP2 shards gathered, then tensor-parallel pieces (collectives)."""
     from .collectives import guard_collective
@@ -202,11 +182,7 @@ def _full(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> torch.T
         spec = shard_spec(tensor)
         if spec is None or spec.world_size == 1:
             return local
-        local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(spec.world_size)]
-        with guard_collective("all_gather", primitive, group):
-            dist.all_gather(parts, local, group=group)
-        return spec.gather(parts)
+        return gather_shards(key, local, spec, group, primitive)
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -319,7 +295,7 @@ def _validate(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> Non
             fix="materialise it first: model, opt = tl.build(sch)")
     spec = shard_spec(tensor)
     if spec is not None and spec.world_size > 1:
-        _check_spec(key, spec, group, primitive)
+        check_spec(key, spec, group, primitive)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -349,11 +325,11 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _exchange(payload: Any, primitive: str) -> list[Any]:
-    if _world() == 1:
+    if group_size() == 1:
         return [payload]
     from .collectives import guard_collective
 
-    out: list[Any] = [None] * _world()
+    out: list[Any] = [None] * group_size()
     with guard_collective("all_gather_object", primitive):
         dist.all_gather_object(out, payload)
     return out
@@ -451,15 +427,15 @@ def _plan_for(model: nn.Module, group: Any, primitive: str,
 
 def _fetch(plan: _Plan, local: dict[str, _Entry], key: str, to: int | None) -> torch.Tensor | None:
     """The full tensor of ``key``: on rank ``to`` (None: on every rank); None elsewhere."""
-    rank = _rank()
+    rank = group_rank()
     value = local[key].fetch() if key in local else None
     src = plan.source(key)
-    if _world() == 1:
+    if group_size() == 1:
         return value
     from .collectives import guard_collective
 
     if to is None:
-        if len(plan.holders[key]) == _world():  # every rank has it already
+        if len(plan.holders[key]) == group_size():  # every rank has it already
             return value
         device = _comm_device()
         if rank == src:
@@ -612,7 +588,7 @@ def _write_folder(plan: _Plan, local: dict[str, _Entry], info: PretrainedInfo, p
     error rank 0 met (None elsewhere)."""
     from safetensors.torch import save_file
 
-    writer = _rank() == 0
+    writer = group_rank() == 0
     failure: Exception | None = None
     files, total_size = _files(plan, max_bytes)
     sharded = len(files) > 1
@@ -696,7 +672,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     path = os.path.normpath(os.fspath(path))
     tmp = None
     verdict: PretrainedError | None = None
-    if _rank() == 0:
+    if group_rank() == 0:
         verdict = _path_problem(path)
         if verdict is None:
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
@@ -717,7 +693,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
         raise extras[0]
     info = describe_model(model)
     failure = _write_folder(plan, local, info, path, tmp or "", max_bytes)
-    if _world() > 1:
+    if group_size() > 1:
         from .collectives import guard_collective
 
         box: list[Any] = [failure]

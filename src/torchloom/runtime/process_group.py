@@ -35,13 +35,15 @@ def device_type_of(group: Any = None) -> str:
     return "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
 
 
-def _size(group: Any) -> int:
+def group_size(group: Any = None) -> int:
+    """The size of ``group`` (the default group when None); 1 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
-def _rank(group: Any) -> int:
+def group_rank(group: Any = None) -> int:
+    """This rank in ``group`` (the default group when None); 0 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)

@@ -60,12 +60,12 @@ from ..core.meta import ShardSpec, shard_spec
 from .collectives import guard_collective
 from .gather import (
     CheckpointMismatchError,
-    _check_spec,
     _optimizer_params,
+    check_spec,
     full_optimizer_state_dict,
     full_state_dict,
 )
-from .process_group import _rank, _size, init_distributed
+from .process_group import group_rank, group_size, init_distributed
 
 __all__ = [
     "Checkpoint",
@@ -224,9 +224,9 @@ def _to_save(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> Any:
     spec = shard_spec(tensor)
     if spec is None or spec.world_size == 1:
         if spec is not None:
-            _check_spec(key, spec, group, primitive)
+            check_spec(key, spec, group, primitive)
         return tensor.detach()
-    _check_spec(key, spec, group, primitive)
+    check_spec(key, spec, group, primitive)
     return _pieces(tensor, spec, contiguous=True)
 
 
@@ -706,7 +706,7 @@ def _claim(path: str, step: int) -> None:
 
 def _share(value: Any, group: Any, primitive: str) -> Any:
     """``value`` of the group's rank 0, on every rank."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return value
     box = [value]
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -716,9 +716,9 @@ def _share(value: Any, group: Any, primitive: str) -> Any:
 
 
 def _gather_all(value: Any, group: Any, primitive: str) -> list[Any]:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return [value]
-    out: list[Any] = [None] * _size(group)
+    out: list[Any] = [None] * group_size(group)
     with guard_collective("all_gather_object", primitive, group):
         dist.all_gather_object(out, value, group=group)
     return out
@@ -727,11 +727,11 @@ def _gather_all(value: Any, group: Any, primitive: str) -> list[Any]:
 def _on_rank0(fn: Callable[[], Any], group: Any, primitive: str) -> Any:
     """Run ``fn`` on the group's rank 0 and give every rank its result; an exception there
     is raised on every rank (the same CheckpointIOError, or one naming it)."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return fn()
     result: Any = None
     error: Exception | None = None
-    if _rank(group) == 0:
+    if group_rank(group) == 0:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised
@@ -746,7 +746,7 @@ def _on_rank0(fn: Callable[[], Any], group: Any, primitive: str) -> Any:
         raise remote
     if remote is not None:
         raise CheckpointIOError(f"rank 0 of the group failed: {remote}", primitive=primitive,
-                                values={"rank": _rank(group)},
+                                values={"rank": group_rank(group)},
                                 fix="see rank 0's error; fix its cause and run again")
     return result
 
@@ -795,7 +795,7 @@ def _checksums(tmp: str, group: Any) -> dict[str, dict[str, Any]]:
     """SHA-256 and size of every file DCP wrote, the files split over the ranks."""
     names = sorted(e for e in os.listdir(tmp) if _DCP_FILE_RE.fullmatch(e))
     mine = {}
-    for name in names[_rank(group)::_size(group)]:
+    for name in names[group_rank(group)::group_size(group)]:
         digest, size = _sha256(os.path.join(tmp, name))
         mine[name] = {"sha256": digest, "bytes": size}
     out: dict[str, dict[str, Any]] = {}
@@ -922,7 +922,7 @@ def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: A
             "tensors)", primitive="save", values={"where": exc.where},
             fix="keep optimizer hyperparameters plain numbers, e.g. lr=1e-3") from None
     marker = {
-        "torchloom": _KIND_STEP, "format": FORMAT, "world_size": _size(group),
+        "torchloom": _KIND_STEP, "format": FORMAT, "world_size": group_size(group),
         "model_keys": list(model.state_dict().keys()), "has_optimizer": optimizer is not None,
         "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
         "param_groups": groups_json, "tensor_state": tensor_state, "other_state": other_json,
@@ -987,7 +987,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
         marker["files"] = _checksums(tmp, group)
         return _on_rank0(lambda: _finish(path, tmp, marker, keep), group, "save")
     except Exception as exc:
-        if _rank(group) == 0 and os.path.isdir(tmp) and not os.path.islink(tmp):
+        if group_rank(group) == 0 and os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp, ignore_errors=True)  # this save's partial files
         if isinstance(exc, OSError):
             raise CheckpointIOError(
@@ -1072,7 +1072,7 @@ def _verify(ckpt: Checkpoint, group: Any) -> str | None:
     files = ckpt.marker["files"]
     names = sorted(files)
     mine = None
-    for name in names[_rank(group)::_size(group)]:
+    for name in names[group_rank(group)::group_size(group)]:
         problem = _file_problem(ckpt.path, name, files[name])
         if problem is not None:
             mine = (name, problem)
@@ -1157,7 +1157,7 @@ def find_checkpoint(path: str | os.PathLike, *, step: int | None = None, group: 
     for ckpt in found:
         problem = _verify(ckpt, group)
         if problem is None:
-            if _rank(group) == 0:
+            if group_rank(group) == 0:
                 for note in notes:
                     warnings.warn(f"torchloom.load: in {path!r}, {note}", stacklevel=2)
                 for bad, why in damaged:
@@ -1278,7 +1278,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     for key, tensor in model_state.items():
         spec = shard_spec(tensor)
         if spec is not None:
-            _check_spec(key, spec, group, "load")
+            check_spec(key, spec, group, "load")
         if spec is None or spec.world_size == 1:
             local = tensor.detach()
             target = local if local.is_contiguous() else torch.empty_like(

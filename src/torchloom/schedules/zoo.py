@@ -6,9 +6,8 @@ config in code, so tests, examples and the demo run offline. Every model has two
 * ``"tiny"``: 2 layers, hidden size 32; for tests (builds in milliseconds);
 * ``"small"``: 4 layers, hidden size 128; the size of the ``torchloom demo`` GPT-2;
 
-and gpt2, bert and llama those of ``torchloom bench`` (:data:`torchloom.apps.bench.SIZES`):
-``"bench-tiny"`` (its tests), ``"bench"`` (about 13M parameters) and, but for bert,
-``"gpu"`` (about 300M parameters, real vocabularies).
+and gpt2, bert and llama those of ``torchloom bench``: ``"bench-tiny"`` (its tests),
+``"bench"`` (about 13M parameters) and, but for bert, ``"gpu"`` (about 300M).
 
 Text models use a byte-level vocabulary of 256 tokens, matching :mod:`torchloom.apps.data`.
 

@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..core.recipe import Recipe, apply_recipe
 from ..runtime.build import build
 from ..runtime.loop import train_step
-from ..core.recipe import Recipe, apply_recipe
 from ..runtime.memory import LiveBytes, default_loss
 
 __all__ = ["Evaluator", "Result", "TrainEvaluator", "describe_exception"]
