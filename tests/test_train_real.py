@@ -185,7 +185,7 @@ def test_grad_accum_clipping_bf16_and_the_learning_rate_schedule():
     base = dict(model="llama", steps=5, batch_size=4, seq_len=16, warmup_steps=2,
                 lr_decay="linear", clip_grad=1e9)
     records: list[dict] = []
-    plain = T.train_rank(0, T.TrainConfig(**base).to_dict(), report=records.append)
+    plain = T.train_rank(0, T.TrainConfig(**base), report=records.append)
     steps = [r for r in records if r["kind"] == "step"]
     # warm-up over 2 steps, then linear decay to 0.1 x peak at step 5 (progress 0, 1/3, 2/3)
     assert [round(r["lr"], 10) for r in steps] == [5e-4, 1e-3, 1e-3, 7e-4, 4e-4]
@@ -198,9 +198,9 @@ def test_grad_accum_clipping_bf16_and_the_learning_rate_schedule():
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     assert abs(steps[0]["grad_norm"] - float(norm)) < 1e-5 * float(norm)
 
-    accumulated = T.train_rank(0, T.TrainConfig(**base, grad_accum=2).to_dict())
+    accumulated = T.train_rank(0, T.TrainConfig(**base, grad_accum=2))
     torch.testing.assert_close(accumulated["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
-    bf16 = T.train_rank(0, T.TrainConfig(**base, dtype="bf16").to_dict())
+    bf16 = T.train_rank(0, T.TrainConfig(**base, dtype="bf16"))
     assert bf16["losses"] != plain["losses"]  # autocast ran in bf16 ...
     torch.testing.assert_close(bf16["losses"], plain["losses"], rtol=0, atol=0.05)  # ... close
 

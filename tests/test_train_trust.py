@@ -139,8 +139,7 @@ def test_resume_without_a_checkpoint_exits_2_naming_the_directory(cli, tmp_path,
 
     monkeypatch.setattr(S, "_checksums", crash)
     with pytest.raises(Crash, match=r"^crash after _checksums$"):
-        T.train_rank(0, T.TrainConfig(steps=1, batch_size=2, seq_len=16, save_dir=crashed)
-                     .to_dict())
+        T.train_rank(0, T.TrainConfig(steps=1, batch_size=2, seq_len=16, save_dir=crashed))
     monkeypatch.undo()
     code, output = cli("--save-dir", crashed, "--resume")
     assert code == 2
@@ -172,7 +171,7 @@ def test_a_nan_loss_stops_before_its_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(T.NonFiniteLossError, match=re.escape(
             "torchloom train(...): the loss of step 3 is nan: training stopped before the "
             "optimizer step")) as info:
-        T.train_rank(0, cfg.to_dict())
+        T.train_rank(0, cfg)
     last = os.path.join(save_dir, "step-2")
     assert str(info.value) == (
         "torchloom train(...): the loss of step 3 is nan: training stopped before the "

@@ -27,7 +27,7 @@ import inspect
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import typer
@@ -55,6 +55,9 @@ from ..runtime.loop import lr_at, train_step
 from ..schedules import zoo
 from . import data
 from .cli_errors import clean_errors as _clean_errors
+
+if TYPE_CHECKING:
+    from .jobconfig import TrainConfig
 
 __all__ = ["app", "main", "apply_demo_schedule"]
 
@@ -369,13 +372,13 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
-def train_rank_cli(rank: int, config: dict[str, Any]) -> dict[str, Any]:
+def train_rank_cli(rank: int, cfg: TrainConfig) -> dict[str, Any]:
     """One rank of ``torchloom train``; rank 0 reports (see :class:`_Reporter`)."""
     from .train import train_rank
 
-    reporter = _Reporter(rank, bool(config.get("progress", True)))
+    reporter = _Reporter(rank, cfg.progress)
     try:
-        return train_rank(rank, config, report=reporter)
+        return train_rank(rank, cfg, report=reporter)
     finally:
         reporter.close()
 
@@ -507,7 +510,6 @@ def train(
     cfg = options(config, given)  # checks every value before anything else
     check_config(cfg)  # model, data, device, outputs, save directory
     check_launch(cfg, launch.under_torchrun())
-    run = cfg.to_dict()
     world = cfg.world
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -517,10 +519,10 @@ def train(
     if launch.under_torchrun():
         _start_group(cfg.device, cfg.timeout)
         rank = torch.distributed.get_rank()
-        results = [train_rank_cli(rank, run)]
+        results = [train_rank_cli(rank, cfg)]
         _end_group()
     else:
-        results = launch.run_ranks(train_rank_cli, world, run, timeout_s=cfg.timeout)
+        results = launch.run_ranks(train_rank_cli, world, cfg, timeout_s=cfg.timeout)
     # the failing rank's own error first (a ScheduleError's message in full); exit 2
     launch.raise_first_failure(results, command="torchloom train")
     result = results[0]

@@ -34,7 +34,7 @@ Launch with ``torchrun --nproc-per-node N -m torchloom train --tp T --dp D --pp 
 itself (gloo, local).
 
 >>> cfg = TrainConfig(model="gpt2", size="tiny", steps=2, batch_size=2, seq_len=16)
->>> result = train_rank(0, cfg.to_dict())
+>>> result = train_rank(0, cfg)
 >>> len(result["losses"]), result["first_step"]
 (2, 1)
 >>> [round(lr_at(s, 10, 1.0, warmup=2, decay="linear"), 2) for s in (0, 1, 2, 9)]
@@ -542,7 +542,7 @@ def _device(cfg: TrainConfig, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def train_rank(rank: int, config: dict[str, Any], report: Report | None = None) -> dict[str, Any]:
+def train_rank(rank: int, cfg: TrainConfig, report: Report | None = None) -> dict[str, Any]:
     """Train on this rank (the process group, if any, is already initialised).
 
     Returns ``{"losses": [...], "first_step": s, "tokens_per_s": x, "eval_losses":
@@ -552,7 +552,6 @@ def train_rank(rank: int, config: dict[str, Any], report: Report | None = None) 
     "step", "steps", "loss", "lr", "tokens_per_s", "mfu", "memory_mib", "grad_norm"}``
     after each step and ``{"kind": "eval", "step", "eval_loss"}`` after each evaluation.
     """
-    cfg = TrainConfig(**config)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if cfg.world != world:
         raise TrainOptionError(
