@@ -146,3 +146,17 @@ def test_recording_is_outermost_only() -> None:
     assert [e.primitive for e in sch.recipe] == ["checkpoint", "replace"]
     out = sch.mod(torch.randn(2, 4))
     assert out.shape == (2, 4)
+
+
+def test_shard_fails_in_several_ways_each_with_its_class() -> None:
+    from torchloom.core import errors
+
+    sch = tl.create_schedule(_mlp())
+    with pytest.raises(errors.ShardAxisError, match=r"axis 5 is out of range for 'weight'"):
+        sch["0"].shard("weight", 5)
+    sch["0"].shard("weight", 0)
+    with pytest.raises(errors.ShardTwiceError, match=r"'weight' is already sharded"):
+        sch["0"].shard("weight", 1)
+    with pytest.raises(errors.ShardArgumentError, match=r"chunks must be a positive integer"):
+        sch["2"].shard("weight", 0, 0)
+    assert all(issubclass(e, tl.ShardError) for e in PRIMITIVES["shard"].errors)

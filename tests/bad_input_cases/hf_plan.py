@@ -22,6 +22,7 @@ import transformers
 
 import torchloom as tl
 from torchloom import schedules
+from torchloom.core.errors import ScheduleConfigError
 from torchloom.schedules.hf_plan import PlanError, from_hf_plan, tp_plan_of
 
 _DENSE = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -224,14 +225,14 @@ CASES: list[tuple[Callable, type, str]] = [
      r"sequence parallelism is supported for plans of attention and MLP regions; "
      r"model\.layers\.0\.mlp\.experts has the style 'moe_tp_experts'.*"
      r"family='mixtral'.*fix: from_hf_plan\(sch, tp=True\) without sequence_parallel"),
-    (plan_sequence_parallel_without_tp, PlanError,
+    (plan_sequence_parallel_without_tp, ScheduleConfigError,
      r"sequence parallelism splits the activations between tensor-parallel regions; it "
      r"needs tp=True"),
     (pipeline_stages_exceed_layers, PlanError,
      _WHERE.format(path=r"model\.layers") + r"2 pipeline stages over 1 layers: each stage "
      r"needs a layer.*fix: pipeline_stages=1: one layer makes one stage"),
-    (ckpt_ratio_out_of_range, PlanError,
-     r"ckpt_ratio must be a number in \[0, 1\].*ckpt_ratio='1\.5'"),
+    (ckpt_ratio_out_of_range, ScheduleConfigError,
+     r"ckpt_ratio must be a number from 0 to 1, not 1\.5.*ckpt_ratio=1\.5"),
     (derived_schedule_unknown_knob, tl.ScheduleError,
      r"unknown knob 'fused' for the built-in schedule of Qwen2ForCausalLM.*knobs=\['tp', "
      r"'sequence_parallel', 'ckpt_ratio', 'compile', 'vocab_parallel'\]"),

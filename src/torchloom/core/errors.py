@@ -309,3 +309,27 @@ class NotAModuleError(ScheduleError, TypeError):
 
 __all__ += ["ModelSizeError", "NoScheduleError", "PipelineCutError", "LaunchError",
             "BuiltError", "UnknownModelError", "CliOptionError", "NotAModuleError"]
+
+
+class ShardArgumentError(ShardError):
+    """``shard`` got an argument of the wrong kind (``chunks``, ``tied``)."""
+
+
+class ShardAxisError(ShardError):
+    """``shard``'s axis is out of range for the tensor."""
+
+
+class ShardSizeError(ShardError):
+    """The sharded axis does not split evenly into the ranks (and ``chunks`` blocks)."""
+
+
+class ShardTiedError(ShardError):
+    """The tensor is tied to another module's and ``tied=True`` was not given."""
+
+
+class ShardTwiceError(ShardError):
+    """The tensor is already sharded."""
+
+
+__all__ += ["ShardArgumentError", "ShardAxisError", "ShardSizeError", "ShardTiedError",
+            "ShardTwiceError"]

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["CHECKPOINTED", "COMPILED", "FOREIGN_IDS", "FORK_RNG", "KEY_ORDER", "LEAF", "META",
-           "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "clear_mark", "get_mark",
+           "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "get_mark",
            "has_mark", "mark_attr", "marks_of", "pop_mark", "set_mark", "transfer_hooks"]
 
 #: A module's list of :class:`~torchloom.primitives.sync.SyncSpec` (``sync``).
@@ -77,12 +77,6 @@ def pop_mark(obj: Any, name: str, default: Any = None) -> Any:
 def marks_of(obj: Any) -> dict[str, Any]:
     """The marks on the instance ``obj``, by name."""
     return {k.removeprefix(_PREFIX): v for k, v in vars(obj).items() if k.startswith(_PREFIX)}
-
-
-def clear_mark(obj: Any, name: str) -> None:
-    """Remove the mark ``name`` if ``obj`` has it."""
-    if hasattr(obj, mark_attr(name)):
-        delattr(obj, mark_attr(name))
 
 
 # Hook dictionaries of nn.Module (torch 2.13). Each maps a hook id to a callable; the

@@ -13,8 +13,6 @@ Two things are stored:
 * user tags: set by ``annotate``; also exposed as plain attributes of the tensor.
 
 >>> import torch
-
-from .marks import META, mark_attr
 >>> p = torch.nn.Parameter(torch.zeros(4, 2))
 >>> set_tag(p, "replicated", True)
 >>> p.replicated, get_meta(p).tags

@@ -15,8 +15,8 @@ name and the error classes it raises. The registry then
 >>> sch["0"].annotate(key="tag", value=1, param_name="weight", overwrite=False)
 >>> sch.recipe[0].args, sch.recipe[0].kwargs
 (('weight', 'tag', 1), {})
->>> PRIMITIVES["shard"].errors
-(<class 'torchloom.core.errors.ShardError'>,)
+>>> [e.__name__ for e in PRIMITIVES["shard"].errors]  # one class per way it fails
+['ShardArgumentError', 'ShardAxisError', 'ShardSizeError', 'ShardTiedError', 'ShardTwiceError']
 """
 
 from __future__ import annotations

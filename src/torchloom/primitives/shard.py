@@ -48,7 +48,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from ..core.errors import ShardError
+from ..core.errors import (
+    ShardArgumentError,
+    ShardAxisError,
+    ShardSizeError,
+    ShardTiedError,
+    ShardTwiceError,
+)
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ..core.registry import primitive
 from ._common import find_tensor, owners_of, tied_names
@@ -97,7 +103,7 @@ def _update_module_attrs(module: nn.Module, attr: str, axis: int, world_size: in
 def _check_tie(sch: Schedule, param_name: str, axis: int, owner: nn.Module, attr: str,
                tensor: torch.Tensor, tied: bool) -> None:
     if not isinstance(tied, bool):
-        raise ShardError(
+        raise ShardArgumentError(
             f"tied must be True or False, not {tied!r}",
             path=sch.path, primitive=NAME, values={"param_name": param_name, "tied": tied},
             fix=f"sch[{sch.path!r}].shard({param_name!r}, {axis!r}, tied=True)",
@@ -105,7 +111,7 @@ def _check_tie(sch: Schedule, param_name: str, axis: int, owner: nn.Module, attr
     others = [name for module, slot, name in tied_names(sch.root.mod, tensor)
               if not (module is owner and slot == attr)]
     if others and not tied:
-        raise ShardError(
+        raise ShardTiedError(
             f"{param_name!r} is tied to {', '.join(repr(o) for o in others)} (one tensor used "
             "in both places): sharding it here would shard it there too",
             path=sch.path,
@@ -118,7 +124,8 @@ def _check_tie(sch: Schedule, param_name: str, axis: int, owner: nn.Module, attr
         )
 
 
-@primitive(NAME, errors=(ShardError,))
+@primitive(NAME, errors=(ShardArgumentError, ShardAxisError, ShardSizeError, ShardTiedError,
+                         ShardTwiceError))
 def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
           tied: bool = False) -> None:
     """Slice ``param_name`` of ``sch.mod`` along ``axis`` for this rank (each of ``chunks``
@@ -126,7 +133,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
     owner, attr, tensor, is_param = find_tensor(sch, param_name, NAME)
     ndim = tensor.dim()
     if not isinstance(axis, int) or not -ndim <= axis < max(ndim, 1):
-        raise ShardError(
+        raise ShardAxisError(
             f"axis {axis!r} is out of range for {param_name!r} of shape {tuple(tensor.shape)}",
             path=sch.path,
             primitive=NAME,
@@ -136,7 +143,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
     axis %= ndim
     previous = shard_spec(tensor)
     if previous is not None:
-        raise ShardError(
+        raise ShardTwiceError(
             f"{param_name!r} is already sharded (along axis {previous.axis})",
             path=sch.path,
             primitive=NAME,
@@ -147,7 +154,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
         )
     _check_tie(sch, param_name, axis, owner, attr, tensor, tied)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ShardError(
+        raise ShardArgumentError(
             f"chunks must be a positive integer, not {chunks!r}",
             path=sch.path,
             primitive=NAME,
@@ -158,7 +165,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
     size = tensor.shape[axis]
     if size % (world_size * chunks) != 0:
         if chunks > 1:
-            raise ShardError(
+            raise ShardSizeError(
                 f"size {size} of axis {axis} of {param_name!r} does not split into {chunks} "
                 f"blocks of a multiple of the world size {world_size}",
                 path=sch.path,
@@ -167,7 +174,7 @@ def apply(sch: Schedule, param_name: str, axis: int, chunks: int = 1, *,
                         "chunks": chunks, "world_size": world_size},
                 fix=f"check chunks (3 for q/k/v); each block needs a size divisible by {world_size}",
             )
-        raise ShardError(
+        raise ShardSizeError(
             f"size {size} of axis {axis} of {param_name!r} is not divisible by the world "
             f"size {world_size}",
             path=sch.path,

@@ -976,30 +976,17 @@ class _Planner:
 
 def _check_knob_types(sch: Schedule, tp: Any, sequence_parallel: Any, ckpt_ratio: Any,
                       compile: Any, vocab_parallel: Any, plan: Any) -> None:
-    for name, value in (("tp", tp), ("sequence_parallel", sequence_parallel),
-                        ("vocab_parallel", vocab_parallel)):
-        if not isinstance(value, bool):
-            raise PlanError(f"{name} must be True or False", path=sch.path,
-                            primitive=PRIMITIVE, values={name: repr(value)},
-                            fix=f"from_hf_plan(sch, {name}=True)")
-    if isinstance(ckpt_ratio, bool) or not isinstance(ckpt_ratio, (int, float)) or \
-            not 0.0 <= ckpt_ratio <= 1.0:
-        raise PlanError("ckpt_ratio must be a number in [0, 1]", path=sch.path,
-                        primitive=PRIMITIVE, values={"ckpt_ratio": repr(ckpt_ratio)},
-                        fix="from_hf_plan(sch, ckpt_ratio=0.5)")
-    ScheduleConfig(compile=compile)  # refuses a value that is neither a bool nor a backend
+    if not isinstance(tp, bool):
+        raise PlanError("tp must be True or False", path=sch.path, primitive=PRIMITIVE,
+                        values={"tp": repr(tp)}, fix="from_hf_plan(sch, tp=True)")
+    ScheduleConfig(tp=2 if tp else 1, sequence_parallel=sequence_parallel,  # the knob rules
+                   ckpt_ratio=ckpt_ratio, compile=compile, vocab_parallel=vocab_parallel)
     if plan is not None and not (isinstance(plan, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in plan.items())):
         raise PlanError("plan must map module or parameter paths (with * for a layer "
                         "index) to style names", path=sch.path, primitive=PRIMITIVE,
                         values={"plan": repr(plan)[:80]},
                         fix="plan={'model.layers.*.mlp.up_proj': 'colwise', ...}")
-    if sequence_parallel and not tp:
-        raise PlanError(
-            "sequence parallelism splits the activations between tensor-parallel regions; "
-            "it needs tp=True", path=sch.path, primitive=PRIMITIVE,
-            values={"tp": tp, "sequence_parallel": sequence_parallel},
-            fix="from_hf_plan(sch, tp=True, sequence_parallel=True)")
 
 
 def pipeline_stack(sch: Schedule, stages: int, stacks: list[str]) -> tuple[str, list[str]]:

@@ -11,22 +11,8 @@ strategy replays its decisions, reading finished trials from the database.
 * :class:`BinarySearch`: Slapo's search over batch size and checkpoint ratio (below).
 * :class:`ModelBased`: optuna's TPE sampler, seeded, over the points of the space.
 
-Binary search, per combination of the other symbols:
-
-1. the largest feasible batch size, by binary search over the sorted batch sizes, each
-   tried with its largest checkpoint ratio (the least memory);
-2. for it, the least feasible checkpoint ratio (binary search over the sorted ratios);
-3. a neighbourhood: the next smaller batch sizes, each with its least feasible ratio
-   (binary search over the ratios up to the one found for the larger batch), for as long
-   as the throughput improves, and ``neighbours`` more after it stops improving
-   (throughput often peaks below the largest batch that fits, once that batch needs
-   heavy recomputation).
-
-It assumes that memory grows with the batch size and falls with the checkpoint ratio.
-Unlike Slapo's tuner it works on any :class:`~torchloom.tune.Space` that holds the two
-symbols (ratios may depend on the batch size; other symbols are searched one combination
-at a time), and "feasible" means the trial ran (``status == "ok"``): a pruned or failed
-trial is infeasible, not a throughput of 0 compared against a threshold.
+BinarySearch follows Slapo's search over batch size and checkpoint ratio, on any space
+that holds both symbols: docs/design/tuner.md describes its three steps and assumptions.
 
 >>> from torchloom.tune import Space
 >>> space = Space()
