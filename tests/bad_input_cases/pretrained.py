@@ -115,8 +115,9 @@ CASES = [
     (pretrained_zero_max_shard_size, PretrainedError, r"max_shard_size must be .* not 0"),
     (pretrained_meta_model, PretrainedError,
      r"'0\.weight' is on the meta device.*tl\.build\(sch\)"),
-    (pretrained_sharded_for_another_group, PretrainedError,
-     r"sharded for rank 0 of 2, but this is rank 0 of a group of 1.*group=sch\.group"),
+    (pretrained_sharded_for_another_group, tl.CheckpointMismatchError,
+     r"save_pretrained\(\.\.\.\): '0\.weight' was sharded for rank 0 of 2, but this is rank 0 "
+     r"of a group of 1.*group=sch\.group"),
     (pretrained_sharded_tensor_behind_a_hook, PretrainedError,
      r"sharded parameter 'qk' reaches the state dict only through a state_dict hook"
      r".*torchloom_checkpoint_parts"),
