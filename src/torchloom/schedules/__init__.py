@@ -111,7 +111,7 @@ def schedule_for(model: Any) -> ScheduleFn:
         "declares no tensor-parallel plan for it",
         primitive="schedules.schedule_for",
         values={"model": type(model).__name__, "supported": supported()},
-        fix="write the schedule with primitives (see torchloom/models/gpt2.py for a short "
+        fix="write the schedule with primitives (see torchloom/schedules/gpt2.py for a short "
         "example), pass a plan: torchloom.schedules.hf_plan.from_hf_plan(sch, plan={...}), "
         "or register one: torchloom.schedules.register_schedule(name, fn)",
     )
