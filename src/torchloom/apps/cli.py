@@ -554,7 +554,7 @@ def train(
 @_clean_errors
 def tune(
     model: str = typer.Argument(..., help="A zoo model that takes tokens: " + ", ".join(
-        m for m in zoo.list_models() if zoo._ZOO[m].kind != "image") + "."),  # noqa: SLF001
+        zoo.list_models(text=True)) + "."),
     budget_gb: float = typer.Option(..., min=0.0, help="Memory per rank in GiB (0.05 = 51 MiB)."),
     strategy: str = typer.Option("binary", help="binary, exhaustive or optuna."),
     db: str = typer.Option("torchloom-tune.db", help="SQLite results file (resumes)."),

@@ -952,25 +952,15 @@ class _Run:
 
 
 def _fully_shard(model: nn.Module, mesh: Any, bf16: bool) -> nn.Module:
-    """FSDP2 ``fully_shard`` of every layer and the root on the dp dimension, with bf16
-    compute and fp32 gradient reduction when ``bf16`` (what ``build(target="fsdp")`` does,
-    plus the mixed-precision policy)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """``build(target="fsdp")``'s sharding, with bf16 compute and fp32 gradient reduction
+    when ``bf16``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ..core.meta import copy_meta
-    from ..runtime.parallel import _default_units, _dp_mesh
+    from ..runtime.parallel import _dp_mesh, fully_shard_model
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
-    before = dict(model.named_parameters())
-    dp_mesh = _dp_mesh(mesh)
-    for name in _default_units(model):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    for name, param in model.named_parameters():
-        if name in before:
-            copy_meta(before[name], param)
-    return model
+    return fully_shard_model(model, _dp_mesh(mesh), mp_policy=policy)
 
 
 @contextlib.contextmanager

@@ -77,7 +77,7 @@ def tunable_models() -> list[str]:
     >>> tunable_models()
     ['bert', 'gpt2', 'llama', 'opt', 't5']
     """
-    return [m for m in zoo.list_models() if zoo._ZOO[m].kind != "image"]  # noqa: SLF001
+    return zoo.list_models(text=True)
 
 
 def _check_output(path: str, option: str) -> None:

@@ -88,7 +88,11 @@ def _default_units(model: nn.Module) -> list[str]:
     return units
 
 
-def _fsdp(model: nn.Module, mesh: Any, units: list[str] | None) -> nn.Module:
+def fully_shard_model(model: nn.Module, mesh: Any, units: list[str] | None = None,
+                      mp_policy: Any = None) -> nn.Module:
+    """FSDP2 ``fully_shard`` of each unit (default: every layer of the model's layer lists)
+    and of the root, on ``mesh`` (the data-parallel mesh), with ``mp_policy`` if given; the
+    torchloom metadata of each parameter (its shard spec) carries over."""
     from torch.distributed.fsdp import fully_shard
 
     before = dict(model.named_parameters())
@@ -104,7 +108,9 @@ def _fsdp(model: nn.Module, mesh: Any, units: list[str] | None) -> nn.Module:
                 fix="give module paths (wildcards allowed), e.g. fsdp_units=['transformer.h.*']",
             )
         chosen += [n for n in found if n not in chosen]
-    kwargs = {"mesh": mesh} if mesh is not None else {}
+    kwargs: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     for name in chosen:
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)
@@ -133,4 +139,4 @@ def wrap_data_parallel(model: nn.Module, target: str | None, mesh: Any,
 
         group = dp_mesh.get_group() if dp_mesh is not None else None
         return DistributedDataParallel(model, process_group=group)
-    return _fsdp(model, dp_mesh, fsdp_units)
+    return fully_shard_model(model, dp_mesh, fsdp_units)

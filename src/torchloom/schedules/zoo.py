@@ -160,13 +160,15 @@ _ZOO: dict[str, _Entry] = {
 }
 
 
-def list_models(size: str | None = None) -> list[str]:
-    """The names :func:`make_model` knows (at ``size``, when given), sorted.
+def list_models(size: str | None = None, *, text: bool = False) -> list[str]:
+    """The names :func:`make_model` knows (at ``size``, when given; with ``text`` only
+    those that take tokens, not images), sorted.
 
-    >>> list_models("gpu")
-    ['gpt2', 'llama']
+    >>> list_models("gpu"), "vit" in list_models(text=True)
+    (['gpt2', 'llama'], False)
     """
-    return sorted(name for name, entry in _ZOO.items() if size is None or size in entry.sizes)
+    return sorted(name for name, entry in _ZOO.items()
+                  if (size is None or size in entry.sizes) and not (text and entry.kind == "image"))
 
 
 def layer_paths(name: str) -> list[str]:
