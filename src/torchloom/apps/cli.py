@@ -388,7 +388,7 @@ def _start_group(device: str, timeout: float) -> None:
     from ..runtime.process_group import init_distributed
 
     if not torch.distributed.is_initialized():
-        init_distributed("nccl" if device == "cuda" else "gloo", timeout)
+        init_distributed(timeout_s=timeout, device=device)
 
 
 def _end_group() -> None:

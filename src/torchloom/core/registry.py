@@ -21,6 +21,7 @@ name and the error classes it raises. The registry then
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class Primitive:
     record_as: Mapping[str, Callable[[Schedule, Any], Any]] = field(default_factory=dict)
     group_check: Callable[[ScheduleGroup, inspect.BoundArguments], None] | None = None
 
-    @property
+    @functools.cached_property
     def signature(self) -> inspect.Signature:
         """The signature of the method: ``apply``'s without its schedule parameter."""
         params = list(inspect.signature(self.apply).parameters.values())[1:]

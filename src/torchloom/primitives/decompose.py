@@ -126,7 +126,8 @@ def apply(sch: Schedule) -> None:
             fix=f"decompose first: sch[{sch.path!r}].decompose() before those primitives",
         )
     new = DecomposedLinear(mod) if isinstance(mod, nn.Linear) else DecomposedConv1D(mod)
+    own = marks_of(new)
     for name, value in marks_of(mod).items():
-        if name not in marks_of(new):
+        if name not in own:
             set_mark(new, name, value)  # e.g. recorded syncs
     swap_module(sch, new)

@@ -16,8 +16,7 @@ from torch import nn
 
 from ..core.errors import CheckpointMismatchError
 from ..core.meta import ShardSpec, shard_spec
-from .collectives import guard_collective
-from .process_group import group_rank, group_size
+from .collectives import group_rank, group_size, guard_collective
 
 __all__ = ["CheckpointMismatchError", "full_optimizer_state_dict", "full_state_dict"]
 

@@ -37,8 +37,8 @@ from torch import nn
 from ..core.errors import PretrainedError
 from ..core.marks import KEY_ORDER, PRETRAINED_INFO, TIED_KEYS, get_mark
 from ..core.meta import shard_spec
+from .collectives import group_rank, group_size
 from .gather import check_spec, gather_shards
-from .process_group import group_rank, group_size
 
 __all__ = ["save_pretrained", "PretrainedInfo", "describe_model", "gather_full_state_dict",
            "is_output_name"]

@@ -35,20 +35,6 @@ def device_type_of(group: Any = None) -> str:
     return "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
 
 
-def group_size(group: Any = None) -> int:
-    """The size of ``group`` (the default group when None); 1 without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def group_rank(group: Any = None) -> int:
-    """This rank in ``group`` (the default group when None); 0 without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 60.0, *,
                      device: str | torch.device = "cpu", init_method: str | None = None,
                      rank: int | None = None, world_size: int | None = None,

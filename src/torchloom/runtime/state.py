@@ -57,7 +57,7 @@ from torch import nn
 # full state dicts.
 from ..core.errors import CheckpointIOError, CollectiveTimeoutError, ScheduleError
 from ..core.meta import ShardSpec, shard_spec
-from .collectives import guard_collective
+from .collectives import group_rank, group_size, guard_collective
 from .gather import (
     CheckpointMismatchError,
     _optimizer_params,
@@ -65,7 +65,7 @@ from .gather import (
     full_optimizer_state_dict,
     full_state_dict,
 )
-from .process_group import group_rank, group_size, init_distributed
+from .process_group import init_distributed
 
 __all__ = [
     "Checkpoint",

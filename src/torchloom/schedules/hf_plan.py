@@ -975,18 +975,19 @@ class _Planner:
 
 
 def _check_knob_types(sch: Schedule, tp: Any, sequence_parallel: Any, ckpt_ratio: Any,
-                      compile: Any, vocab_parallel: Any, plan: Any) -> None:
+                      compile: Any, vocab_parallel: Any, plan: Any) -> ScheduleConfig:
     if not isinstance(tp, bool):
         raise PlanError("tp must be True or False", path=sch.path, primitive=PRIMITIVE,
                         values={"tp": repr(tp)}, fix="from_hf_plan(sch, tp=True)")
-    ScheduleConfig(tp=2 if tp else 1, sequence_parallel=sequence_parallel,  # the knob rules
-                   ckpt_ratio=ckpt_ratio, compile=compile, vocab_parallel=vocab_parallel)
+    config = ScheduleConfig(tp=2 if tp else 1, sequence_parallel=sequence_parallel,
+                            ckpt_ratio=ckpt_ratio, compile=compile, vocab_parallel=vocab_parallel)
     if plan is not None and not (isinstance(plan, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in plan.items())):
         raise PlanError("plan must map module or parameter paths (with * for a layer "
                         "index) to style names", path=sch.path, primitive=PRIMITIVE,
                         values={"plan": repr(plan)[:80]},
                         fix="plan={'model.layers.*.mlp.up_proj': 'colwise', ...}")
+    return config
 
 
 def pipeline_stack(sch: Schedule, stages: int, stacks: list[str]) -> tuple[str, list[str]]:
@@ -1035,7 +1036,8 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
     split (heads and KV heads by config field, the vocabulary, the MLP's features).
     ``plan`` replaces the model's own plan (keys are paths from ``sch``'s module).
     """
-    _check_knob_types(sch, tp, sequence_parallel, ckpt_ratio, compile, vocab_parallel, plan)
+    config = _check_knob_types(sch, tp, sequence_parallel, ckpt_ratio, compile,
+                               vocab_parallel, plan)
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or \
             pipeline_stages < 1:
         raise PlanError("pipeline_stages must be a positive integer", path=sch.path,
@@ -1088,7 +1090,7 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
         for cut in cuts:
             sch[cut].cut_pipeline_stage()
     for stack in stacks:
-        finish_layers(sch[stack], ScheduleConfig(ckpt_ratio=ckpt_ratio, compile=compile))
+        finish_layers(sch[stack], config)
 
 
 @takes("tp", "sequence_parallel", "ckpt_ratio", "compile", "vocab_parallel")
