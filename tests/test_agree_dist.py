@@ -97,16 +97,45 @@ def _check_other_parameter_shapes(rank: int) -> None:
     sch["transformer.h.0"].checkpoint()
     with pytest.raises(tl.ScheduleMismatchError, match=(
             rf"rank {rank} and rank {1 - rank} have the same recipe but other local "
-            r"parameters: parameter 27 differs")) as info:
+            r"parameters or modules: parameter 27 differs")) as info:
         tl.build(sch)
     message = str(info.value)
     assert f"rank {rank} and rank {1 - rank} have the same recipe but other local " \
-        "parameters: parameter 27 differs" in message, message
+        "parameters or modules: parameter 27 differs" in message, message
     # 2 + 12 per layer parameters before ln_f: parameter 27 is where the layer counts part
     texts = {0: "transformer.ln_f.weight: (32,) torch.float32",
              1: "transformer.h.2.ln_1.weight: (32,) torch.float32"}
     assert f"this_parameter={texts[rank]!r}" in message, message
     assert f"other_parameter={texts[1 - rank]!r}" in message, message
+
+
+def _check_replaced_module_arguments_differ(rank: int) -> None:
+    """The probe: rank 0 replaced a module with Dropout(0.1), rank 1 with Dropout(0.9)."""
+    sch = tl.create_schedule(tiny.gpt2())
+    sch["transformer.h.0.mlp.dropout"].replace(nn.Dropout(0.1 if rank == 0 else 0.9))
+    with pytest.raises(tl.ScheduleMismatchError, match=(
+            rf"rank {rank} and rank {1 - rank} scheduled differently: recipe line 1 "
+            r"differs")) as info:
+        tl.build(sch)
+    message = str(info.value)
+    assert "Dropout(p=0.1, inplace=False)" in message and "Dropout(p=0.9" in message, message
+
+
+def _dropout_for_this_rank(old: nn.Module) -> nn.Module:
+    return nn.Dropout(0.1 if dist.get_rank() == 0 else 0.9)
+
+
+def _check_factory_that_depends_on_the_rank(rank: int) -> None:
+    """The same recipe line (a factory), but the modules it made differ."""
+    sch = tl.create_schedule(tiny.gpt2())
+    sch["transformer.h.0.mlp.dropout"].replace(_dropout_for_this_rank)
+    with pytest.raises(tl.ScheduleMismatchError, match=(
+            rf"rank {rank} and rank {1 - rank} have the same recipe but other local "
+            r"parameters or modules: module \d+ \(its class or configuration\) differs")) as info:
+        tl.build(sch)
+    texts = {0: "transformer.h.0.mlp.dropout: Dropout(p=0.1, inplace=False) train",
+             1: "transformer.h.0.mlp.dropout: Dropout(p=0.9, inplace=False) train"}
+    assert f"this_parameter={texts[rank]!r}" in str(info.value), str(info.value)
 
 
 def _check_verify_mismatch(rank: int) -> None:
@@ -157,7 +186,8 @@ def _check_fsdp_build_cannot_be_rebuilt(rank: int) -> None:
 
 def test_ranks_that_scheduled_differently_all_raise_naming_the_line():
     spawn(_check_chunks_differ, _check_same_call_written_two_ways_agrees, _check_skipped_sync, _check_recipe_ends_early,
-          _check_other_parameter_shapes, _check_verify_mismatch,
+          _check_other_parameter_shapes, _check_replaced_module_arguments_differ,
+          _check_factory_that_depends_on_the_rank, _check_verify_mismatch,
           _check_agreeing_schedules_build_with_one_small_all_gather,
           _check_fsdp_build_cannot_be_rebuilt, timeout_s=60)
 

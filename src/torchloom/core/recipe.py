@@ -17,10 +17,13 @@ A recipe read from text is data, never code (:meth:`Recipe.from_json`,
 :meth:`Recipe.from_script`, :func:`apply_recipe`): each line must call a registered
 primitive (:func:`~torchloom.list_primitives`) with a string path, a list of arguments and
 identifier keywords that fit the primitive's signature; values nest at most
-:data:`MAX_DEPTH` deep; and a reference ``{"__ref__": "module:qualname"}`` resolves only
-to a class or function of torch or torchloom, a transformers module class, or an object
-the caller passes in ``trusted_refs`` (keyed by the reference text). No other module is
-imported, unless the caller says ``trust_code=True``. Every refusal is a
+:data:`MAX_DEPTH` deep; a reference ``{"__ref__": "module:qualname"}`` resolves only to
+an object of the schedule allow-list (:mod:`torchloom.core.refs`: module classes of
+torch.nn, transformers and torchloom.ops, torchloom's schedule factories, named pure
+tensor functions) or to an object the caller passes in ``trusted_refs`` (keyed by the
+reference text); and references sit only in the arguments that take a function or class
+(``concrete_args`` and the rest are plain data). No other module is imported, unless the
+caller says ``trust_code=True``. Every refusal is a
 :class:`~torchloom.core.errors.RecipeError` naming the line, the offending name and the fix.
 
 >>> import torch, torchloom as tl
@@ -45,22 +48,29 @@ True
 from __future__ import annotations
 
 import ast
-import functools
-import importlib
-import inspect
 import json
 import keyword
 import math
-import sys
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
 
 from .errors import RecipeError, ScheduleError
+from .refs import (
+    Refused,
+    check_reference_places,
+    check_trusted,
+    import_ref,
+    is_dotted,
+    is_dunder,
+    ref_of,
+    resolve_ref,
+    resolve_untrusted,
+    short_repr,
+)
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -69,7 +79,6 @@ __all__ = [
     "MAX_DEPTH",
     "Recipe",
     "RecipeEntry",
-    "TRUSTED_PACKAGES",
     "apply_recipe",
     "import_ref",
     "ref_of",
@@ -82,11 +91,6 @@ FORMAT_VERSION = 1
 
 # --------------------------------------------------------------------------- references
 
-#: Packages whose classes and functions a recipe file may name without being trusted.
-#: ``transformers`` is narrower: only its ``nn.Module`` classes (models and layers).
-TRUSTED_PACKAGES = ("torch", "torchloom")
-MODULE_CLASS_PACKAGES = ("transformers",)
-
 #: The deepest nesting of lists, tuples and dicts a recipe argument may have.
 MAX_DEPTH = 20
 
@@ -94,199 +98,12 @@ _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
 
-
-def _is_dotted(text: Any) -> TypeGuard[str]:
-    return isinstance(text, str) and bool(text) and all(
-        part.isidentifier() and not keyword.iskeyword(part) for part in text.split("."))
-
-
-def _is_dunder(name: str) -> bool:
-    return name.startswith("__") and name.endswith("__")
-
-
-def _loaded(module_name: str, qualname: str) -> Any:
-    """The object at ``module:qualname`` if its module is imported already, else None.
-    Imports nothing."""
-    obj: Any = sys.modules.get(module_name)
-    try:
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        return None
-    return obj
-
-
-def ref_of(obj: Any) -> str | None:
-    """The import path ``"module:qualname"`` of a function or class, or None if ``obj``
-    cannot be found again by that path (lambdas, local functions, instances). Imports
-    nothing: the object's module must be imported already (it is, if the object exists).
-
-    >>> ref_of(torch.nn.Linear)
-    'torch.nn.modules.linear:Linear'
-    >>> ref_of(lambda x: x) is None
-    True
-    """
-    if not callable(obj) or isinstance(obj, nn.Module) or isinstance(obj, functools.partial):
-        return None
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not _is_dotted(module) or not _is_dotted(qualname):
-        return None  # "<lambda>", "f.<locals>.g", a missing or odd name
-    if module not in sys.modules or _loaded(module, qualname) is not obj:
-        return None
-    return f"{module}:{qualname}"
-
-
-def import_ref(ref: str) -> Any:
-    """Import the object named by ``"module:qualname"``, whatever it is.
-
-    This runs the named module's code: use it only for references you trust.
-    :meth:`Recipe.from_json` calls it only with ``trust_code=True``; otherwise it resolves
-    references with :func:`resolve_ref`.
-
-    >>> import_ref("torch.nn:Linear") is torch.nn.Linear
-    True
-    """
-    module_name, _, qualname = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise RecipeError(
-            f"cannot import {ref!r}: {exc}",
-            primitive="apply_recipe",
-            values={"ref": ref},
-            fix="make the function or class importable under that name, or edit the recipe",
-        ) from exc
-    return obj
-
-
-class _Refused(Exception):
-    """A reference, value or entry a recipe may not hold: the problem, values and fix."""
-
-    def __init__(self, problem: str, values: dict[str, Any] | None = None,
-                 fix: str | None = None) -> None:
-        super().__init__(problem)
-        self.problem, self.values, self.fix = problem, dict(values or {}), fix
-
-
-def _trust_fix(ref: str) -> str:
-    return (f"if you trust it, pass the object: Recipe.from_json(text, trusted_refs="
-            f"{{{ref!r}: <the object>}}) (or apply_recipe(model, text, trusted_refs=...)); "
-            "trust_code=True trusts every reference")
-
-
-def _defined_in_trusted(obj: Any) -> bool:
-    module = getattr(obj, "__module__", None)
-    if not isinstance(module, str):
-        return False
-    top = module.split(".")[0]
-    if top in TRUSTED_PACKAGES:
-        return True
-    return top in MODULE_CLASS_PACKAGES and inspect.isclass(obj) and issubclass(obj, nn.Module)
-
-
-def _check_trusted(trusted_refs: Any, primitive: str) -> None:
-    if trusted_refs is not None and not isinstance(trusted_refs, Mapping):
-        raise RecipeError(
-            f"trusted_refs must map reference texts to objects, not a "
-            f"{type(trusted_refs).__name__}", primitive=primitive,
-            values={"trusted_refs": _short_repr(trusted_refs)},
-            fix="trusted_refs={'mypackage.kernels:make_fused_mlp': make_fused_mlp}, or "
-            "sch.recipe.references() for a recipe recorded in this process")
-
-
-def _resolve(ref: Any, trusted_refs: Mapping[str, Any] | None, trust_code: bool) -> Any:
-    """:func:`resolve_ref`, raising ``_Refused``."""
-    module_name, _, qualname = ref.partition(":") if isinstance(ref, str) else ("", "", "")
-    if not (_is_dotted(module_name) and _is_dotted(qualname)) or \
-            any(_is_dunder(p) for p in [*module_name.split("."), *qualname.split(".")]):
-        # (a dunder module such as a package's __main__ may run a program when imported)
-        raise _Refused(f"a reference must be 'package.module:Name' (no dunder names), not "
-                       f"{_short_repr(ref)}",
-                       {"ref": _short_repr(ref)},
-                       "write a reference as recipe.to_json() does, e.g. "
-                       "{'__ref__': 'torch.nn.modules.linear:Linear'}")
-    if trusted_refs and ref in trusted_refs:
-        return trusted_refs[ref]
-    if trust_code:
-        try:
-            return import_ref(ref)
-        except RecipeError as exc:
-            raise _Refused(exc.problem, {"ref": ref}, exc.fix) from exc
-    allowed = TRUSTED_PACKAGES + MODULE_CLASS_PACKAGES
-    if module_name.split(".")[0] not in allowed:
-        raise _Refused(
-            f"the reference {ref!r} is not trusted: its module {module_name!r} is outside "
-            "torch, torchloom and transformers, and a recipe imports nothing else",
-            {"ref": ref}, _trust_fix(ref))
-    try:
-        obj: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is a bad reference
-        raise _Refused(f"cannot import module {module_name!r} of {ref!r}: {exc}",
-                       {"ref": ref}, "edit the reference to name an existing module") from None
-    parts = qualname.split(".")
-    for number, part in enumerate(parts):
-        if part.startswith("_"):
-            raise _Refused(f"the reference {ref!r} names a private attribute {part!r}",
-                           {"ref": ref}, _trust_fix(ref))
-        if number == 0:  # an attribute of the module (a lazy module may import here)
-            value = getattr(obj, part, _MISSING)
-        else:  # an attribute of a class, without running descriptors
-            value = inspect.getattr_static(obj, part, _MISSING)
-            if isinstance(value, (staticmethod, classmethod)):
-                value = value.__func__
-        if value is _MISSING:
-            raise _Refused(f"cannot find {part!r} of the reference {ref!r}", {"ref": ref},
-                           "edit the reference to name an existing class or function")
-        if isinstance(value, types.ModuleType) or (number < len(parts) - 1
-                                                   and not inspect.isclass(value)):
-            raise _Refused(
-                f"the reference {ref!r} goes through {part!r}, a "
-                f"{type(value).__name__}: a reference names a class or function of its "
-                "module (or a class's attribute)", {"ref": ref}, _trust_fix(ref))
-        obj = value
-    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-        raise _Refused(
-            f"the reference {ref!r} is not trusted: it resolves to a {type(obj).__name__}, "
-            "not a class or function", {"ref": ref}, _trust_fix(ref))
-    if not _defined_in_trusted(obj):
-        raise _Refused(
-            f"the reference {ref!r} is not trusted: it resolves to "
-            f"{'a class' if inspect.isclass(obj) else 'a function'} defined in "
-            f"{getattr(obj, '__module__', None)!r}, not a class or function of torch or "
-            "torchloom (or a transformers module class)", {"ref": ref}, _trust_fix(ref))
-    return obj
-
-
-_MISSING = object()
-
-
-def resolve_ref(ref: str, trusted_refs: Mapping[str, Any] | None = None, *,
-                trust_code: bool = False) -> Any:
-    """The object a recipe's ``{"__ref__": "module:qualname"}`` names, if it is trusted.
-
-    Trusted, in order: the objects of ``trusted_refs`` (keyed by the reference text);
-    anything at all with ``trust_code=True`` (the module is imported: its code runs);
-    otherwise a class or function defined in ``torch`` or ``torchloom``, or an
-    ``nn.Module`` class of ``transformers``, reached from a module of those packages
-    through classes only. A module outside them is never imported.
-
-    >>> resolve_ref("torch.nn.modules.linear:Linear") is torch.nn.Linear
-    True
-    >>> resolve_ref("os:system")
-    Traceback (most recent call last):
-    ...
-    torchloom.core.errors.RecipeError: resolve_ref(...): the reference 'os:system' is not trusted: its module 'os' is outside torch, torchloom and transformers, and a recipe imports nothing else
-        values: ref='os:system'
-        fix: if you trust it, pass the object: Recipe.from_json(text, trusted_refs={'os:system': <the object>}) (or apply_recipe(model, text, trusted_refs=...)); trust_code=True trusts every reference
-    """
-    _check_trusted(trusted_refs, "resolve_ref")
-    try:
-        return _resolve(ref, trusted_refs, trust_code)
-    except _Refused as exc:
-        raise RecipeError(exc.problem, primitive="resolve_ref", values=exc.values,
-                          fix=exc.fix) from None
+_Refused = Refused
+_short_repr = short_repr
+_is_dotted = is_dotted
+_is_dunder = is_dunder
+_check_trusted = check_trusted
+_resolve = resolve_untrusted
 
 
 # --------------------------------------------------------------------------- values
@@ -532,9 +349,26 @@ def _entry_from_data(data: Any, trusted_refs: Mapping[str, Any] | None,
     def resolve(ref: Any) -> Any:
         return _resolve(ref, trusted_refs, trust_code)
 
-    return RecipeEntry(primitive=primitive, path=path,
-                       args=tuple(_decode(a, resolve) for a in args),
-                       kwargs={k: _decode(v, resolve) for k, v in kwargs.items()})
+    decoded_args = tuple(_decode(a, resolve) for a in args)
+    decoded_kwargs = {k: _decode(v, resolve) for k, v in kwargs.items()}
+    _check_places(primitive, decoded_args, decoded_kwargs, trusted_refs, trust_code)
+    return RecipeEntry(primitive=primitive, path=path, args=decoded_args, kwargs=decoded_kwargs)
+
+
+def _check_places(primitive: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
+                  trusted_refs: Mapping[str, Any] | None, trust_code: bool) -> None:
+    """Raise ``_Refused`` when a reference of an untrusted recipe sits in an argument that
+    takes plain data (see :func:`~torchloom.core.refs.takes_references`)."""
+    if trust_code:
+        return
+    from .registry import PRIMITIVES
+
+    try:
+        bound = PRIMITIVES[primitive].signature.bind(*args, **kwargs)
+    except TypeError:
+        return  # apply_recipe names the misfit when it checks the line
+    trusted = {id(v) for v in (trusted_refs or {}).values()}
+    check_reference_places(primitive, bound.arguments, lambda obj: id(obj) in trusted)
 
 
 class Recipe:
@@ -727,14 +561,6 @@ def _shown(value: Any) -> Any:
     return _short_repr(value)
 
 
-def _short_repr(value: Any) -> str:
-    try:
-        text = repr(value).replace("\n", " ")
-    except Exception:  # noqa: BLE001 - a value whose repr fails is still named
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 # --------------------------------------------------------------------------- scripts
 
 
@@ -847,6 +673,7 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
             args = [_literal(a, imports, resolve) for a in call.args]
             kwargs = {cast(str, k.arg): _literal(k.value, imports, resolve) for k in call.keywords}
             _check_fields(target.attr, node.slice.value, args, kwargs)
+            _check_places(target.attr, args, kwargs, trusted_refs, trust_code)
         except _Refused as exc:
             raise _script_error(line, exc.problem, exc.values, exc.fix) from None
         entries.append(RecipeEntry(target.attr, node.slice.value, tuple(args), kwargs))

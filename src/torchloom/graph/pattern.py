@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, cast
@@ -66,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import PatternError, TraceError
+from ..core.patterns import BoundedRegex
 from .graph_module import is_leaf, is_traced
 from .guards import is_guard
 from .tracer import TRACE_LOCK
@@ -333,6 +333,13 @@ class _Matcher:
     def __init__(self, compiled: _Compiled, owner: nn.Module) -> None:
         self.p = compiled
         self.owner = owner
+        self._regexes: dict[str, BoundedRegex] = {}
+
+    def _regex(self, pattern: str) -> BoundedRegex:
+        """The bounded form of a module-name pattern, compiled once per search."""
+        if pattern not in self._regexes:
+            self._regexes[pattern] = BoundedRegex(pattern, primitive="find", path="")
+        return self._regexes[pattern]
 
     def key(self, pn: fx.Node) -> Any:
         return node_key(pn, self.p.owner)
@@ -372,16 +379,16 @@ class _Matcher:
         """Whether the two nodes compute the same operation; their data arguments to pair."""
         gdata = _data_args(gn)
         if pn.op == "call_function" and pn.target is call_module:
-            regex = cast(str, pn.args[0])
-            ok = gn.op == "call_module" and re.search(regex, cast(str, gn.target)) is not None
+            ok = gn.op == "call_module" and self._regex(cast(str, pn.args[0])).search(
+                cast(str, gn.target))
             pdata = _data_args(pn)
             return pdata, gdata, ok and len(pdata) == len(gdata)
         if pn.op == "call_module" and isinstance(  # (only a pattern module has an owner)
                 sub := cast(nn.Module, self.p.owner).get_submodule(cast(str, pn.target)),
                 ModulePattern):
-            regex = sub.name_regex
             pdata = _data_args(pn)
-            ok = gn.op == "call_module" and re.search(regex, cast(str, gn.target)) is not None
+            ok = gn.op == "call_module" and self._regex(sub.name_regex).search(
+                cast(str, gn.target))
             return pdata, gdata, ok and len(pdata) == len(gdata)
         pdata = _data_args(pn)
         if self.key(pn) != node_key(gn, self.owner):
@@ -476,13 +483,7 @@ def find(sch: Schedule, pattern: Any, predicate: bool = False) -> list[Match]:
     source = (sch, pattern, is_predicate)
     matches: list[Match] = []
     if isinstance(pattern, str):
-        try:
-            regex = re.compile(pattern)
-        except re.error as exc:
-            raise PatternError(
-                f"invalid regular expression: {exc}", path=sch.path, primitive="find",
-                values={"pattern": pattern}, fix="fix the regex, e.g. r'attn\\.(q|k|v)_proj'",
-            ) from None
+        regex = BoundedRegex(pattern, primitive="find", path=sch.path)
         for owner in owners:
             prefix = _relative(sch, owner.path)
             for node in _gm(owner).graph.nodes:

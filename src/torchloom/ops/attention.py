@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import OpsError, ReplaceError
+from ..core.refs import schedule_safe
 
 __all__ = [
     "OpsError",
@@ -93,6 +94,7 @@ def _normalise_mask(mask: torch.Tensor, query: torch.Tensor, primitive: str) -> 
     return mask != 0  # integer: a transformers padding mask, 1 keeps
 
 
+@schedule_safe
 def sdpa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -377,6 +379,7 @@ def _require(old: nn.Module, attrs: tuple[str, ...], factory: str, expected: str
         )
 
 
+@schedule_safe
 def make_sdpa_gpt2_attention(old: nn.Module) -> SDPAGPT2Attention:
     """Factory for ``sch[path].replace``: a transformers ``GPT2Attention`` (self-attention)
     to :class:`SDPAGPT2Attention`, reusing its submodules.
@@ -401,6 +404,7 @@ def make_sdpa_gpt2_attention(old: nn.Module) -> SDPAGPT2Attention:
         is_causal=bool(getattr(old, "is_causal", True)))
 
 
+@schedule_safe
 def make_sdpa_bert_self_attention(old: nn.Module) -> SDPABertSelfAttention:
     """Factory for ``sch[path].replace``: a transformers ``BertSelfAttention`` to
     :class:`SDPABertSelfAttention`, reusing its submodules.

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import ReplaceError
+from ..core.refs import schedule_safe
 from .attention import OpsError
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
 _APPROXIMATIONS = ("none", "tanh")
 
 
+@schedule_safe
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """``gelu(x + bias)`` (the eager reference of :class:`FusedBiasGelu`)."""
     if bias is not None:
@@ -330,6 +332,7 @@ def _bert_output(old: nn.Module, compile: bool) -> FusedBertOutput:
     return FusedBertOutput(old.dense, old.LayerNorm, old.dropout, compile=compile)
 
 
+@schedule_safe
 def make_fused_gpt2_mlp(old: nn.Module) -> FusedGPT2MLP:
     """Factory: transformers ``GPT2MLP`` -> :class:`FusedGPT2MLP` (compiled).
 
@@ -339,11 +342,13 @@ def make_fused_gpt2_mlp(old: nn.Module) -> FusedGPT2MLP:
     return _gpt2_mlp(old, True)
 
 
+@schedule_safe
 def make_fused_gpt2_mlp_eager(old: nn.Module) -> FusedGPT2MLP:
     """:func:`make_fused_gpt2_mlp` without ``torch.compile``."""
     return _gpt2_mlp(old, False)
 
 
+@schedule_safe
 def make_fused_bert_intermediate(old: nn.Module) -> FusedBertIntermediate:
     """Factory: transformers ``BertIntermediate`` -> :class:`FusedBertIntermediate`
     (compiled).
@@ -354,11 +359,13 @@ def make_fused_bert_intermediate(old: nn.Module) -> FusedBertIntermediate:
     return _bert_intermediate(old, True)
 
 
+@schedule_safe
 def make_fused_bert_intermediate_eager(old: nn.Module) -> FusedBertIntermediate:
     """:func:`make_fused_bert_intermediate` without ``torch.compile``."""
     return _bert_intermediate(old, False)
 
 
+@schedule_safe
 def make_fused_bert_output(old: nn.Module) -> FusedBertOutput:
     """Factory: transformers ``BertSelfOutput`` or ``BertOutput`` -> :class:`FusedBertOutput`
     (compiled).
@@ -369,6 +376,7 @@ def make_fused_bert_output(old: nn.Module) -> FusedBertOutput:
     return _bert_output(old, True)
 
 
+@schedule_safe
 def make_fused_bert_output_eager(old: nn.Module) -> FusedBertOutput:
     """:func:`make_fused_bert_output` without ``torch.compile``."""
     return _bert_output(old, False)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..core.errors import ReplaceError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..core.refs import schedule_safe
 from .attention import OpsError, SDPABertSelfAttention
 
 __all__ = ["FusedQKVBertSelfAttention", "make_fused_qkv_bert_self_attention"]
@@ -200,6 +201,7 @@ def _merge_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str
         state_dict[f"{prefix}qkv.{name}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
 
+@schedule_safe
 def make_fused_qkv_bert_self_attention(old: nn.Module) -> FusedQKVBertSelfAttention:
     """Factory for ``sch[path].replace``: a transformers ``BertSelfAttention`` to
     :class:`FusedQKVBertSelfAttention` (one ``qkv`` Linear; the original values are

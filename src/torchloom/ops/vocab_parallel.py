@@ -43,6 +43,7 @@ from torch import nn
 
 from ..core.errors import ShardError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..core.refs import schedule_safe
 from ..runtime import collectives as C
 
 __all__ = [
@@ -235,6 +236,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"rows=[{self.vocab_start}, {self.vocab_end}), world_size={self.world_size}")
 
 
+@schedule_safe
 def make_vocab_parallel_embedding(old: nn.Module) -> VocabParallelEmbedding:
     """Factory for ``sch[path].replace(make_vocab_parallel_embedding)`` (default group).
 

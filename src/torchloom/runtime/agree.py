@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from ..core.recipe import Recipe, RecipeEntry
     from ..core.schedule import Schedule
 
-__all__ = ["check_ranks_agree", "recipe_lines", "canonical_text", "shape_lines", "digest"]
+__all__ = ["check_ranks_agree", "recipe_lines", "canonical_text", "shape_lines", "module_lines",
+           "digest"]
 
 _MAGIC = 0x746C61  # "tla": a slot a collective never wrote stays 0, never this
 _MAX_DEPTH = 8
@@ -97,10 +98,40 @@ def _text(value: Any, depth: int = 0) -> str:
         parts += [f"{k}={_text(v, depth + 1)}" for k, v in value.keywords.items()]
         return f"partial({', '.join(parts)})"
     if isinstance(value, nn.Module):
-        return f"<{_name_of(type(value))} module>"
+        return f"<{_name_of(type(value))} module {_module_config(value)}>"
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
         return _name_of(value)
     return f"<{_name_of(type(value))} object>"
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _module_config(module: nn.Module) -> str:
+    """What configures a module passed to a primitive: its printed form (every layer's
+    ``extra_repr``: a ``Dropout``'s ``p``, a ``Linear``'s sizes), the public scalar
+    attributes of it and its sub-modules, the training flags, and a transformers config."""
+    parts = [repr(module).replace("\n", " ")]
+    for name, sub in module.named_modules():
+        attrs = {k: v for k, v in vars(sub).items() if not k.startswith("_") and (
+            isinstance(v, _SCALARS) or (isinstance(v, tuple)
+                                        and all(isinstance(x, _SCALARS) for x in v)))}
+        parts.append(f"{name or '.'}: {sorted(attrs.items())!r}")
+        config = getattr(sub, "config", None)
+        to_dict = getattr(config, "to_dict", None)
+        if callable(to_dict):
+            try:
+                parts.append(json.dumps(to_dict(), sort_keys=True, default=str))
+            except (TypeError, ValueError):
+                parts.append(repr(config))
+    return " ".join(parts)
+
+
+def module_lines(model: nn.Module) -> list[str]:
+    """``"path: Type(extra_repr) train|eval"`` for every module: a replaced module's class
+    and configuration (a ``Dropout``'s ``p``, a layer's sizes) as every rank must have it."""
+    return [f"{name or '.'}: {type(mod).__qualname__}({mod.extra_repr()}) "
+            f"{'train' if mod.training else 'eval'}" for name, mod in model.named_modules()]
 
 
 def entry_text(entry: RecipeEntry) -> str:
@@ -218,7 +249,7 @@ def check_ranks_agree(sch: Schedule, primitive: str = "build") -> None:
         return
     me = dist.get_rank(group)
     canonical = [canonical_text(e) for e in root.recipe]
-    shapes = shape_lines(root.mod)
+    shapes = shape_lines(root.mod) + module_lines(root.mod)
     device = _device(group)
     mine = digest(canonical, shapes).to(device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
@@ -255,10 +286,13 @@ def check_ranks_agree(sch: Schedule, primitive: str = "build") -> None:
         )
     index = _first_difference(shapes, other_shapes)
     assert index is not None  # the digests differ, so one of the two lists does
-    ends = "the model has only this many parameters:"
+    ends = "the model has only this many parameters and modules:"
+    n_params = len(shape_lines(root.mod))
+    what = (f"parameter {index + 1}" if index < n_params
+            else f"module {index - n_params + 1} (its class or configuration)")
     raise ScheduleMismatchError(
-        f"rank {me} and rank {other} have the same recipe but other local parameters: "
-        f"parameter {index + 1} differs",
+        f"rank {me} and rank {other} have the same recipe but other local parameters or "
+        f"modules: {what} differs",
         path=where,
         primitive=primitive,
         values={"this_rank": me, "this_parameter": _line(shapes, index, ends),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ..ops.attention import make_sdpa_gpt2_attention
 from ..ops.fused import make_fused_gpt2_mlp
@@ -21,6 +22,7 @@ from .config import ScheduleConfig
 __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 
 
+@schedule_safe
 def split_qkv_per_rank(old: nn.Module) -> nn.Module:
     """GPT-2 attention splits ``c_attn``'s output into q, k, v of ``split_size`` each; after
     the ``chunks=3`` shard a rank's output is ``[q_r | k_r | v_r]``, a third of ``nf``."""

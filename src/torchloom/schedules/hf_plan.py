@@ -45,6 +45,7 @@ from torch import nn
 from ..core.errors import TPPlanError as PlanError
 from ..core.marks import FOREIGN_IDS, pop_mark, set_mark, transfer_hooks
 from ..core.meta import get_meta, shard_spec
+from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ..primitives._common import tied_names
 from ._common import SEQ_AXIS, finish_layers, takes, tp_divisors
@@ -199,6 +200,7 @@ def layer_stacks(sch: Schedule, plan: dict[str, str] | None = None) -> list[str]
 # --------------------------------------------------------------------------- hooks, factories
 
 
+@schedule_safe
 def vocab_ids_local(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``fwd_pre`` hook of a vocabulary-parallel embedding (weight sharded along its rows):
     the ids become row numbers of this rank's slice (an id another rank owns becomes 0 and
@@ -224,6 +226,7 @@ def vocab_ids_local(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
     return args, kwargs
 
 
+@schedule_safe
 def vocab_rows_masked(module: nn.Module, args: tuple, output: Any) -> Any:
     """``fwd_post`` hook after :func:`vocab_ids_local`: the rows of ids another rank owns
     become zeros, so the all-reduce that follows sums exactly one row per id."""
@@ -233,6 +236,7 @@ def vocab_rows_masked(module: nn.Module, args: tuple, output: Any) -> Any:
     return output.masked_fill(foreign.unsqueeze(-1), 0.0)
 
 
+@schedule_safe
 def localise_padding_idx(old: nn.Module) -> nn.Module:
     """``replace`` factory for a vocabulary-parallel embedding: its ``padding_idx`` (the
     row that gets no gradient) becomes the row of this rank's slice, or None where another
@@ -246,6 +250,7 @@ def localise_padding_idx(old: nn.Module) -> nn.Module:
     return old
 
 
+@schedule_safe
 def whole_sizes(old: nn.Module) -> nn.Module:
     """``replace`` factory for a sharded ``Linear`` or ``Embedding`` whose input and output
     are whole (a gathered column, a row fed a whole input that it splits itself, a
@@ -286,6 +291,7 @@ class MlaKvAProjection(nn.Linear):
 ROPE_TAG = "hf_plan_rope_dim"
 
 
+@schedule_safe
 def make_mla_kv_a_projection(old: nn.Module) -> MlaKvAProjection:
     """``replace`` factory: :class:`MlaKvAProjection` around ``old``'s parameters (the
     same tensors), the rotary width read from the tag ``hf_plan_rope_dim`` that the

@@ -57,6 +57,7 @@ from torch import nn
 from ..core.errors import ModelSizeError, ReplaceError
 from ..core.marks import transfer_hooks
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
+from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ._common import (
     SEQ_AXIS,
@@ -149,6 +150,7 @@ class ReplicatedKVProjection(nn.Linear):
         return f"{super().extra_repr()}, kv_head={self.piece} of {self.pieces}"
 
 
+@schedule_safe
 def replicate_kv_heads(old: nn.Module) -> nn.Module:
     """A ``replace`` factory for a Llama attention whose q_proj is already column
     parallel over ``tp`` ranks and which has ``kv < tp`` KV heads (``tp % kv == 0``): a

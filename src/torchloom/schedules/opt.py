@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..core.errors import ModelSizeError
+from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ._common import check_tp_sizes, column, finish_layers, region, row, takes
 from .config import ScheduleConfig
@@ -12,6 +13,7 @@ from .config import ScheduleConfig
 __all__ = ["heads_per_rank", "schedule_opt"]
 
 
+@schedule_safe
 def heads_per_rank(old: nn.Module) -> nn.Module:
     """OPT attention reshapes q, k, v with ``num_heads``; after the column shard a rank
     holds ``q_proj.out_features // head_dim`` of them."""

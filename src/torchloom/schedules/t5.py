@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..core.errors import ModelSizeError
+from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ._common import check_tp_sizes, column, finish_layers, region, row, takes
 from .config import ScheduleConfig
@@ -12,6 +13,7 @@ from .config import ScheduleConfig
 __all__ = ["heads_per_rank", "schedule_t5"]
 
 
+@schedule_safe
 def heads_per_rank(old: nn.Module) -> nn.Module:
     """T5 attention builds the zero position bias of layers without a relative bias from
     ``n_heads``; after the column shard a rank holds ``q.out_features // d_kv`` heads."""
