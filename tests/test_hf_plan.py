@@ -233,7 +233,13 @@ def _column_mlp(reshard: str) -> tl.Schedule:
 
 
 def test_static_check_accepts_a_column_output_resharded_to_the_sequence():
-    assert check(_column_mlp("RS->SR")).ok  # whole features on a slice of the sequence
+    # whole features on a slice of the sequence: consumed by the whole Linear, whose
+    # parameter gradients then cover this rank's tokens only (rule 6) until synced
+    resharded = _column_mlp("RS->SR")
+    assert [(f.path, f.rule) for f in check(resharded).findings] == \
+        [("2", "parameter gradient left partial")]
+    resharded["2"].sync("param_grad", "all_reduce")
+    assert check(resharded).ok
     report = check(_column_mlp("RS->RS"))  # still split along the features: refused
     assert [f.rule for f in report.findings] == ["sharded output never consumed"]
 

@@ -177,3 +177,42 @@ def test_a_pipeline_cut_that_drops_a_value_is_named():
     assert err.values["phase"] == "pipeline stage" and err.values["stage"] == 1
     assert "were fixed to their value on the example micro-batch" in str(err)
     assert err.values["constants"]  # the folded values are listed
+
+
+def _sequence_parallel_gpt2_layer(norm_syncs: bool, bias_sync: bool) -> tl.Schedule:
+    """GPT-2's first layer under hand-written sequence parallelism: the sequence is split
+    after the embeddings, each block gathers it and reduce-scatters its row output."""
+    sch = tl.create_schedule(tiny.gpt2())
+    sch["transformer.drop"].sync("fwd_post", "scatter", axis=1)
+    layer = sch["transformer.h.0"]
+    for block, col, row_path in (("attn", "c_attn", "c_proj"), ("mlp", "c_fc", "c_proj")):
+        layer[block][col].shard("weight", 1, **({"chunks": 3} if block == "attn" else {}))
+        layer[block][col].shard("bias", 0, **({"chunks": 3} if block == "attn" else {}))
+        layer[block][row_path].shard("weight", 0)
+        layer[block].sync("fwd_pre", "all_gather", axis=1)
+        layer[block][row_path].sync("fwd_post", "reduce_scatter", axis=1)
+        if bias_sync:
+            layer[block][row_path].sync("param_grad", "all_reduce")
+    if norm_syncs:
+        for norm in ("ln_1", "ln_2"):
+            layer[norm].sync("param_grad", "all_reduce")
+    sch["transformer.h.1"].sync("fwd_pre", "all_gather", axis=1)  # whole from here on
+    return sch
+
+
+def test_static_check_finds_partial_parameter_gradients_of_sequence_split_regions():
+    report = check(_sequence_parallel_gpt2_layer(norm_syncs=False, bias_sync=False))
+    found = [(f.path, f.rule) for f in report.findings]
+    assert found == [("transformer.h.0.ln_1", "parameter gradient left partial"),
+                     ("transformer.h.0.attn.c_proj", "parameter gradient left partial"),
+                     ("transformer.h.0.ln_2", "parameter gradient left partial"),
+                     ("transformer.h.0.mlp.c_proj", "parameter gradient left partial")], found
+    text = str(report.findings[0])
+    assert ("sch['transformer.h.0.ln_1']: parameter gradient left partial: this LayerNorm runs "
+            "on a slice of the sequence (sequence parallelism) with whole parameters (weight, "
+            "bias), so each rank's gradient covers only its own tokens and nothing "
+            "all-reduces it\n    fix: sch['transformer.h.0.ln_1'].sync('param_grad', "
+            "'all_reduce')") in text, text
+    assert "this row-parallel Conv1D reduce-scatters its output along the sequence" in \
+        str(report.findings[1])
+    assert check(_sequence_parallel_gpt2_layer(norm_syncs=True, bias_sync=True)).ok

@@ -22,7 +22,15 @@ the fix:
    the features, with other statistics than the full model;
 5. **bias before reduction**: a row-parallel ``Linear`` / ``Conv1D`` whose unsharded bias
    is added before the partial sums are reduced (the reduction comes from a callable or
-   from an enclosing module), so the bias is counted ``world_size`` times.
+   from an enclosing module), so the bias is counted ``world_size`` times;
+6. **parameter gradient left partial**: a module with whole (unsharded) parameters that
+   runs on a slice of the sequence (sequence parallelism: after a ``fwd_post`` sync that
+   splits the sequence, ``reduce_scatter`` / ``scatter`` along axis 1 or ``"->SR"``, and
+   before a sync that gathers it again), or a row-parallel module whose whole bias is
+   added after its output was reduce-scattered along the sequence, has no
+   ``param_grad`` sync: each rank's gradient of those parameters covers its tokens only.
+   The sequence state follows module order through the tree (a block's ``fwd_pre``
+   gather makes its inside whole; its ``fwd_post`` syncs set what follows it).
 
 The module tree is what is checked; inside a module the data flow is not visible, so
 rules 1 and 3 accept any enclosing module as the place where a region closes, and rule
@@ -166,6 +174,80 @@ def _has_row_parallel(node: Schedule) -> bool:
     return any(output_placement(s.mod) == Placement.partial() for _, s in node.named_schedules())
 
 
+_SEQ_AXES = (1, -2)
+
+
+def _splits_sequence(spec: object) -> bool | None:
+    """True when a sync leaves the activation split along the sequence, False when it
+    makes it whole, None when it does not change the sequence axis."""
+    op, axis = spec.op, spec.axis  # type: ignore[attr-defined]
+    if op in ("reduce_scatter", "scatter"):
+        return True if axis in _SEQ_AXES else None
+    if op == "all_gather":
+        return False if axis in _SEQ_AXES else None
+    if isinstance(op, str) and op in _reshard_specs():
+        before, after = op.split("->")
+        if after[0] == "S":
+            return True
+        if before[0] == "S":
+            return False
+    return None
+
+
+def _reshard_specs() -> tuple[str, ...]:
+    from ..primitives.sync import RESHARD_SPECS
+
+    return RESHARD_SPECS
+
+
+def _after_syncs(module: nn.Module, mode: str, state: bool) -> bool:
+    for spec in _syncs(module):
+        if spec.mode == mode:
+            change = _splits_sequence(spec)
+            if change is not None:
+                state = change
+    return state
+
+
+def _whole_params(module: nn.Module) -> list[str]:
+    return [n for n, p in module._parameters.items()
+            if p is not None and p.requires_grad and shard_spec(p) is None]
+
+
+def _sequence_findings(node: Schedule, split: bool, report: CheckReport,
+                       seen: set[int]) -> bool:
+    """Rule 6 at and below ``node``, entered with the sequence ``split`` or whole; returns
+    the state of ``node``'s output."""
+    module = node.mod
+    inside = _after_syncs(module, "fwd_pre", split)
+    has_param_grad = _has_sync(module, "param_grad", ("all_reduce",))
+    if id(module) not in seen:
+        seen.add(id(module))
+        kind = type(module).__name__
+        own = _whole_params(module)
+        if own and inside and not has_param_grad:
+            report.findings.append(Finding(
+                node.path, "parameter gradient left partial",
+                f"this {kind} runs on a slice of the sequence (sequence parallelism) with "
+                f"whole parameters ({', '.join(own)}), so each rank's gradient covers only "
+                "its own tokens and nothing all-reduces it",
+                f"sch[{node.path!r}].sync('param_grad', 'all_reduce')"))
+        bias = module._parameters.get("bias")
+        if (not inside and output_placement(module) == Placement.partial()
+                and _after_syncs(module, "fwd_post", False) and bias is not None
+                and bias.requires_grad and shard_spec(bias) is None and not has_param_grad):
+            report.findings.append(Finding(
+                node.path, "parameter gradient left partial",
+                f"this row-parallel {kind} reduce-scatters its output along the sequence and "
+                "adds its whole bias to each rank's slice, so the bias gradient covers only "
+                "this rank's tokens and nothing all-reduces it",
+                f"sch[{node.path!r}].sync('param_grad', 'all_reduce')"))
+    state = inside
+    for child in node.child.values():
+        state = _sequence_findings(child, state, report, seen)
+    return _after_syncs(module, "fwd_post", state)
+
+
 def check(sch: Schedule) -> CheckReport:
     """Check the whole tree of ``sch`` (from its root) against the rules above."""
     root = sch.root
@@ -243,4 +325,5 @@ def check(sch: Schedule) -> CheckReport:
                     "keep norm weights whole (replicated); for sequence parallelism shard "
                     f"the activation instead and sync the gradients: sch[{where!r}].sync("
                     "'param_grad', 'all_reduce')"))
+    _sequence_findings(root, False, report, set())
     return report
