@@ -27,6 +27,7 @@ def test_every_primitive_round_trips():
     sch["transformer.h.0.attn.c_attn"].annotate("weight", "colwise", True)
     sch["transformer.h"].checkpoint(ratio=0.5)
     sch["transformer.h.1.attn"].fork_rng()
+    sch["transformer.h.1.attn"].divide_attrs(["num_heads", "split_size"])
     sch["transformer.h.0.ln_1"].compile(backend="eager")
     # the static-graph primitives: decompose, trace_until, trace, fuse (a recorded pattern)
     sch["transformer.h.1.mlp.c_fc"].decompose()

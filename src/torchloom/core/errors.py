@@ -333,3 +333,20 @@ class ShardTwiceError(ShardError):
 
 __all__ += ["ShardArgumentError", "ShardAxisError", "ShardSizeError", "ShardTiedError",
             "ShardTwiceError"]
+
+
+class ModelConfigError(ScheduleError):
+    """A model's config holds a size that is zero, negative or not an integer, or the
+    model would not fit this machine's memory for the layout asked for (``build``,
+    ``Verify``, ``torchloom train``; never ``plan``)."""
+
+
+__all__ += ["ModelConfigError"]
+
+
+class DivideAttrsError(ScheduleError):
+    """``divide_attrs`` names an attribute that is not a positive integer of the module,
+    or one the group's size does not divide."""
+
+
+__all__ += ["DivideAttrsError"]

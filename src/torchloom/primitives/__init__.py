@@ -3,8 +3,8 @@
 ``ScheduleGroup``; :func:`list_primitives` lists the ones a recipe may hold.
 
 >>> list_primitives()  # doctest: +NORMALIZE_WHITESPACE
-['annotate', 'checkpoint', 'compile', 'cut_pipeline_stage', 'decompose', 'fork_rng', 'fuse',
- 'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
+['annotate', 'checkpoint', 'compile', 'cut_pipeline_stage', 'decompose', 'divide_attrs',
+ 'fork_rng', 'fuse', 'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from . import (  # noqa: F401 - imported to register them
     compile,
     cut_pipeline_stage,
     decompose,
+    divide_attrs,
     find,
     fork_rng,
     fuse,

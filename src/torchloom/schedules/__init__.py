@@ -53,6 +53,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from torch import nn
+
 from ..core.errors import NoScheduleError
 from ..core.schedule import Schedule
 from ._common import check_knobs
@@ -60,13 +62,14 @@ from .bert import schedule_bert
 from .config import ScheduleConfig, ScheduleConfigError
 from .gpt2 import schedule_gpt2
 from .hf_plan import from_hf_plan, has_tp_plan, schedule_hf_plan
+from .layers import layer_stack_paths, schedule_layers
 from .llama import schedule_llama
 from .opt import schedule_opt
 from .t5 import schedule_t5
 from .vit import schedule_vit
 
 __all__ = ["ScheduleConfig", "apply_schedule", "schedule_for", "supported", "register_schedule",
-           "from_hf_plan", "schedule_hf_plan"]
+           "from_hf_plan", "schedule_hf_plan", "schedule_layers"]
 
 ScheduleFn = Callable[..., None]
 
@@ -100,12 +103,16 @@ def supported() -> list[str]:
 def schedule_for(model: Any) -> ScheduleFn:
     """The schedule function of ``model``'s class (or of one of its base classes); for a
     class without one whose transformers config declares a tensor-parallel plan, the
-    schedule derived from that plan (:func:`~torchloom.schedules.hf_plan.schedule_hf_plan`)."""
+    schedule derived from that plan (:func:`~torchloom.schedules.hf_plan.schedule_hf_plan`);
+    for any other model with a stack of layers, checkpointing and compile only
+    (:func:`~torchloom.schedules.layers.schedule_layers`)."""
     for cls in type(model).__mro__:
         if cls.__name__ in _REGISTRY:
             return _REGISTRY[cls.__name__]
     if has_tp_plan(model):
         return schedule_hf_plan
+    if isinstance(model, nn.Module) and layer_stack_paths(model):
+        return schedule_layers
     raise NoScheduleError(
         f"there is no built-in schedule for {type(model).__name__}, and transformers "
         "declares no tensor-parallel plan for it",

@@ -106,6 +106,7 @@ class PlanEntry:
     style: str
     key: str
     param: str | None = None
+    chunks: int = 1  # "colwise_fused(3)": a projection packing 3 outputs side by side
 
     @property
     def target(self) -> str:
@@ -151,9 +152,23 @@ def family_of(model: nn.Module) -> str:
     return str(getattr(config, "model_type", None) or type(model).__name__)
 
 
+_FUSED = re.compile(r"colwise_fused\((\d{1,2})\)")
+
+
+def _entry(path: str, style: str, key: str, param: str | None = None) -> PlanEntry:
+    """A plan entry; ``colwise_fused(N)`` is ``colwise`` of a projection whose output
+    packs N blocks side by side (q | k | v: each rank keeps its share of each block)."""
+    found = _FUSED.fullmatch(style) if isinstance(style, str) else None
+    if found and int(found.group(1)) >= 2:
+        return PlanEntry(path, "colwise", key, param, chunks=int(found.group(1)))
+    return PlanEntry(path, style, key, param)
+
+
 def expand_plan(sch: Schedule, plan: dict[str, str]) -> list[PlanEntry]:
     """The plan's keys matched against the module tree of ``sch``, in module order (a
-    module's parameter keys right after it); keys that match nothing are left out."""
+    module's parameter keys right after it); keys that match nothing are left out.
+    ``colwise_fused(N)`` (N >= 2) is ``colwise`` with the weight split as N packed blocks
+    (a fused q/k/v projection: ``colwise_fused(3)``)."""
     entries: list[PlanEntry] = []
     seen: set[int] = set()
     for path, node in sch.named_schedules():
@@ -162,13 +177,13 @@ def expand_plan(sch: Schedule, plan: dict[str, str]) -> list[PlanEntry]:
         seen.add(id(node.mod))
         generic = _generic(path)
         if path and generic in plan:
-            entries.append(PlanEntry(path, plan[generic], generic))
+            entries.append(_entry(path, plan[generic], generic))
         for pname, param in node.mod._parameters.items():
             if param is None:
                 continue
             key = _generic(f"{path}.{pname}" if path else pname)
             if key in plan:
-                entries.append(PlanEntry(path, plan[key], key, pname))
+                entries.append(_entry(path, plan[key], key, pname))
     return entries
 
 
@@ -644,7 +659,7 @@ class _Planner:
         path = entry.path
         module = self.root.get_submodule(path) if path else self.root
         if style in COLUMN:
-            self.column(entry, module, chunks=2 if style == "packed_colwise" else 1)
+            self.column(entry, module, chunks=2 if style == "packed_colwise" else entry.chunks)
             if style in GATHERED:
                 self.add(path, "replace", whole_sizes)
                 self.add(path, "sync", "fwd_post", "all_gather", axis=-1,

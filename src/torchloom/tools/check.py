@@ -30,7 +30,13 @@ the fix:
    added after its output was reduce-scattered along the sequence, has no
    ``param_grad`` sync: each rank's gradient of those parameters covers its tokens only.
    The sequence state follows module order through the tree (a block's ``fwd_pre``
-   gather makes its inside whole; its ``fwd_post`` syncs set what follows it).
+   gather makes its inside whole; its ``fwd_post`` syncs set what follows it);
+7. **packed projection split plainly**: in a traced module (``sch[path].trace()``), a
+   column-parallel projection sharded with ``chunks=1`` whose output the graph splits
+   into ``k`` equal parts along its features (``split(size, dim=-1)``, ``chunk(k)``: a
+   fused q/k/v, a gate|up pair) gives rank 0 the first blocks whole and the last none;
+   it must be sharded with ``chunks=k``. Untraced modules are not inspected (their data
+   flow is not visible).
 
 The module tree is what is checked; inside a module the data flow is not visible, so
 rules 1 and 3 accept any enclosing module as the place where a region closes, and rule
@@ -55,7 +61,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -248,6 +254,61 @@ def _sequence_findings(node: Schedule, split: bool, report: CheckReport,
     return _after_syncs(module, "fwd_post", state)
 
 
+def _split_parts(user: Any, features: int) -> int | None:
+    """The number of equal parts ``user`` (a graph node) splits a ``features``-wide
+    output into along its last axis, or None when it is no such split."""
+    target = user.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if user.op not in ("call_method", "call_function") or name not in ("split", "chunk"):
+        return None
+    args = list(user.args[1:]) + [user.kwargs.get(k) for k in ("split_size_or_sections",
+                                                               "split_size", "chunks")
+                                  if k in user.kwargs]
+    dim = user.kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(dim, int) or (dim != -1 and dim < 1) or not args or \
+            not isinstance(args[0], int) or args[0] <= 0:
+        return None
+    if name == "chunk":
+        return args[0] if args[0] > 1 and features % args[0] == 0 else None
+    return features // args[0] if features % args[0] == 0 and features > args[0] else None
+
+
+def _packed_findings(root: Schedule, report: CheckReport) -> None:
+    """Rule 7, in every traced module of the tree."""
+    from ..graph.graph_module import is_traced
+
+    for _, node in root.named_schedules():
+        module = node.mod
+        if not is_traced(module):
+            continue
+        for gn in module.graph.nodes:
+            if gn.op != "call_module":
+                continue
+            try:
+                leaf = module.get_submodule(str(gn.target))
+            except AttributeError:
+                continue
+            weight = leaf._parameters.get("weight")
+            spec = shard_spec(weight) if weight is not None else None
+            placement = output_placement(leaf)
+            if spec is None or spec.chunks != 1 or placement is None or \
+                    placement.kind != "shard":
+                continue
+            features = spec.full_shape[spec.axis]
+            parts = next((k for u in gn.users if (k := _split_parts(u, features))), None)
+            if parts is None:
+                continue
+            path = f"{node.path}.{gn.target}" if node.path else str(gn.target)
+            report.findings.append(Finding(
+                path, "packed projection split plainly",
+                f"the graph of {node.path or 'the model'!r} splits this projection's output "
+                f"into {parts} equal parts along its features (packed blocks such as q, k, v), "
+                "and its weight is split as one block: each rank would hold a run of the "
+                "packed blocks (rank 0 the first) instead of its share of every block",
+                f"sch[{path!r}].shard('weight', {spec.axis}, chunks={parts}) (and the bias "
+                f"with chunks={parts})"))
+
+
 def check(sch: Schedule) -> CheckReport:
     """Check the whole tree of ``sch`` (from its root) against the rules above."""
     root = sch.root
@@ -326,4 +387,5 @@ def check(sch: Schedule) -> CheckReport:
                     f"the activation instead and sync the gradients: sch[{where!r}].sync("
                     "'param_grad', 'all_reduce')"))
     _sequence_findings(root, False, report, set())
+    _packed_findings(root, report)
     return report
