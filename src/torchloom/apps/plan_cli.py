@@ -7,8 +7,15 @@ before renting the GPUs.
   and of time by kind (compute, exposed communication, bubble, optimizer), then the
   collectives of a step.
 * Without them: every valid layout (:func:`torchloom.plan.search`), the ``--top`` fastest
-  that fit printed with their schedule and the command that trains them (or why
-  ``torchloom train`` cannot run that layout today).
+  that fit with ``--min-headroom`` (default 10%) of the usable memory free printed with
+  their schedule and the command that trains them (or why ``torchloom train`` cannot run
+  that layout today).
+
+Both print a legend of the layout notation (``tp2+sp dp4(fsdp) mb4 ckpt1 fp32/bf16``:
+:data:`torchloom.plan.layout.NOTATION`) and of the figures, warn about a layout that
+leaves under 10% of the usable memory free, and report model FLOPs utilisation (MFU: the
+step's FLOPs without recomputation) beside hardware FLOPs utilisation (HFU: the FLOPs
+executed, checkpointed layers' recomputation included).
 
 ``--json PATH`` writes the predictions, ``--plot PATH`` a PNG (the searched layouts by
 peak memory and throughput; with degrees given, memory by kind per stage). ``--measure``
@@ -37,15 +44,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.errors import PlanError
-from ..plan.layout import Layout
-from ..plan.predict import Prediction, predict
+from ..plan.layout import NOTATION, Layout
+from ..plan.predict import HEADROOM, Prediction, predict
 from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
 from ..plan.search import SearchResult, search
 from ..plan.spec import ModelSpec, model_spec
 from .cli_errors import clean_errors
 
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
-           "plot_roles"]
+           "plot_roles", "legend", "headroom_warning"]
 
 GIB = 2**30
 _DTYPES = {  # --dtype -> (param dtype, mixed precision)
@@ -196,21 +203,63 @@ def _collectives_table(p: Prediction) -> Table:
 
 
 def _summary(p: Prediction) -> str:
+    model = p.model_flops_per_step / 1e12
+    hardware = p.flops_per_step / 1e12
+    flops = (f"{model:,.3g} TFLOP per step" if p.model_flops_per_step == p.flops_per_step
+             else f"{model:,.3g} model / {hardware:,.3g} executed TFLOP per step")
     return (f"step {_secs(p.step_time)}, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, "
-            f"{p.flops_per_step / 1e12:,.3g} TFLOP per step, peak {_gib(p.peak)} of "
-            f"{_gib(p.profile.budget)} usable")
+            f"HFU {p.hfu:.1%}, {flops}, peak {_gib(p.peak)} of "
+            f"{_gib(p.profile.budget)} usable ({p.headroom:.1%} headroom)")
+
+
+def headroom_warning(p: Prediction) -> str | None:
+    """The warning for a layout that fits but leaves under :data:`HEADROOM` of the usable
+    memory free (None otherwise)."""
+    if not p.fits or p.headroom >= HEADROOM:
+        return None
+    return (f"warning: {p.layout.describe()} leaves {p.headroom:.1%} headroom (peak "
+            f"{_gib(p.peak)} of {_gib(p.profile.budget)} usable), under {HEADROOM:.0%}: "
+            "allocator fragmentation and communication buffers the plan does not count may "
+            "not fit")
+
+
+def legend() -> str:
+    """What the layout notation and the figures of ``torchloom plan`` mean."""
+    lines = ["layout notation:"]
+    lines += [f"  {token:<14} {meaning}" for token, meaning in NOTATION]
+    lines += [
+        "figures:",
+        "  peak           the most memory one GPU holds in a step; usable = the device's "
+        "memory x the profile's usable share",
+        "  headroom       1 - peak / usable: the share of the usable memory left free",
+        "  MFU            model FLOPs utilisation: FLOPs of the step without recomputation "
+        "(6 x params x tokens + attention) / (step time x peak FLOP/s of all GPUs)",
+        "  HFU            hardware FLOPs utilisation: the FLOPs executed, checkpointed "
+        "layers' recomputation included, / the same; HFU >= MFU",
+    ]
+    return "\n".join(lines)
+
+
+def _fits_text(p: Prediction, min_headroom: float) -> str:
+    if not p.fits:
+        return "[red]no[/]"
+    if p.headroom < max(min_headroom, HEADROOM):
+        return "[yellow]tight[/]"
+    return "[green]yes[/]"
 
 
 def _search_table(result: SearchResult, top: int, profile: Profile) -> Table:
-    table = Table(title=f"the fastest layouts that fit ({len(result.ranked)} predicted, "
-                        f"{len(result.rejected)} refused, {result.seconds:.1f} s)")
-    for col in ("#", "layout", "peak", "fits", "step", "tokens/s", "MFU", "bubble"):
+    need = f" with {result.min_headroom:.0%} headroom" if result.min_headroom > 0 else ""
+    table = Table(title=f"the fastest layouts that fit{need} ({len(result.ranked)} "
+                        f"predicted, {len(result.rejected)} refused, {result.seconds:.1f} s)")
+    for col in ("#", "layout", "peak", "headroom", "fits", "step", "tokens/s", "MFU", "HFU",
+                "bubble"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
     for i, p in enumerate(result.ranked[:top]):
         bubble = max(r.time.bubble for r in p.roles)
-        table.add_row(str(i + 1), p.layout.describe(), _gib(p.peak),
-                      "[green]yes[/]" if p.fits else "[red]no[/]", _secs(p.step_time),
-                      f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", _secs(bubble))
+        table.add_row(str(i + 1), p.layout.describe(), _gib(p.peak), f"{p.headroom:.1%}",
+                      _fits_text(p, result.min_headroom), _secs(p.step_time),
+                      f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}", _secs(bubble))
     return table
 
 
@@ -333,6 +382,10 @@ def plan_command(
     measure_compile: str = typer.Option(None, "--measure-compile", help="With --measure-top: "
                                         "also measure each layout with its layers compiled "
                                         "by this torch.compile backend (e.g. inductor)."),
+    min_headroom: float = typer.Option(HEADROOM, "--min-headroom", min=0.0, max=0.99,
+                                       help="The share of the usable memory a layout must "
+                                       "leave free at its peak to be ranked among the "
+                                       "fastest (0: every layout that fits)."),
     json_path: str = typer.Option(None, "--json", help="Write the predictions as JSON here "
                                   "('-' for standard output)."),
     plot: str = typer.Option(None, help="Write a PNG here."),
@@ -379,10 +432,14 @@ def plan_command(
         console.print(_time_table(pred))
         console.print(_collectives_table(pred))
         console.print(_summary(pred))
+        warning = headroom_warning(pred)
+        if warning:
+            console.print(f"[yellow]{escape(warning)}[/]")
         for note in pred.notes:
             console.print(f"note: {note}")
         cmd, why = train_command(spec, layout, device, profile.gpus_per_node)
         console.print(f"train it: {cmd}" if cmd else f"torchloom train cannot run it: {why}")
+        console.print(legend(), markup=False, highlight=False)
         payload = pred.to_dict()
         if plot:
             plot_roles(pred, plot)
@@ -410,15 +467,25 @@ def plan_command(
                 bar.update(task, completed=done, total=total, description=what)
 
             result = search(spec, gpus, profile, batch_size=batch, seq_len=seq_len,
-                            progress=progress, **space)
+                            progress=progress, min_headroom=min_headroom, **space)
         console.print(_search_table(result, top, profile))
-        for i, p in enumerate([p for p in result.ranked if p.fits][:top]):
+        for i, p in enumerate([p for p in result.ranked if result.eligible(p)][:top]):
             cmd, why = train_command(spec, p.layout, device, profile.gpus_per_node)
             console.print(f"[bold]#{i + 1}[/] {p.layout.describe()}: {_summary(p)}")
+            warning = headroom_warning(p)
+            if warning:
+                console.print(f"    [yellow]{escape(warning)}[/]")
             console.print("    " + schedule_text(p.layout).replace("\n", "\n    "))
             console.print(f"    train it: {cmd}" if cmd else
                           f"    torchloom train cannot run it: {why}")
-        if result.best is None:
+        tight = [p for p in result.ranked if p.fits and not result.eligible(p)]
+        if result.best is None and tight:
+            console.print(f"[yellow]no layout that fits leaves {result.min_headroom:.0%} "
+                          f"headroom[/]: the fastest of the {len(tight)} that fit with less "
+                          f"is {tight[0].layout.describe()} ({tight[0].headroom:.1%} headroom"
+                          f"); --min-headroom 0 ranks them, or try more GPUs, --ckpt-ratio 1 "
+                          "or a smaller --batch-size")
+        elif result.best is None:
             console.print("[red]no layout fits[/]: the closest is "
                           + (result.ranked[0].layout.describe() if result.ranked else "none")
                           + "; try more GPUs, --ckpt-ratio 1, a smaller --batch-size or a "
@@ -426,8 +493,9 @@ def plan_command(
         kernels = [{}, {"compile": measure_compile}] if measure_compile else [{}]
         measured = _measure_top(model, size, gpus, profile, batch, seq_len, measure_top,
                                 kernels, space, console) if measure_top else None
+        console.print(legend(), markup=False, highlight=False)
         payload = {"model": spec.name, "gpus": gpus, "profile": profile.name,
-                   "measured": measured,
+                   "measured": measured, "min_headroom": min_headroom,
                    "batch_size": batch, "seq_len": seq_len, "seconds": result.seconds,
                    "ranked": [p.to_dict() for p in result.ranked[:max(top, 20)]],
                    "predicted": len(result.ranked),

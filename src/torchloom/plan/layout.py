@@ -47,13 +47,26 @@ from typing import Any
 from ..core.errors import PlanError
 from .spec import DTYPES, ModelSpec
 
-__all__ = ["Layout", "OPTIMIZERS", "SCHEDULES", "DP_MODES", "check_model"]
+__all__ = ["Layout", "OPTIMIZERS", "SCHEDULES", "DP_MODES", "NOTATION", "check_model"]
 
 SCHEDULES = ("GPipe", "1F1B")
 DP_MODES = ("ddp", "fsdp")
 #: optimizer name -> states kept per parameter (each of the parameter's dtype and size)
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 _PRIMITIVE = "plan"
+#: what each token of :meth:`Layout.describe` means (``torchloom plan`` prints it)
+NOTATION = (
+    ("tpN[+sp]", "N tensor-parallel ranks; +sp: sequence parallelism between their regions"),
+    ("ppN(S xM)", "N pipeline stages run by schedule S (GPipe or 1F1B) over M micro-batches "
+                  "per step"),
+    ("accumN", "N gradient-accumulation micro-steps per optimizer step (no pipeline)"),
+    ("dpN(ddp|fsdp)", "N data-parallel ranks: DDP replicas or FSDP2 shards"),
+    ("mbN", "N sequences per micro-batch (per rank; batch = dp x micro-batches x mb)"),
+    ("ckptR", "share R of the layers (the first ones) checkpointed: their activations are "
+              "recomputed in the backward"),
+    ("P[/C]", "P: the dtype of the weights, gradients and optimizer state; /C: the compute "
+              "dtype of autocast (bf16, fp16); without it the layers compute in P"),
+)
 
 
 def _fail(problem: str, values: dict[str, Any], fix: str) -> PlanError:
@@ -127,7 +140,7 @@ class Layout:
         return int(self.ckpt_ratio * num_layers)
 
     def describe(self) -> str:
-        """A one-line name of the layout."""
+        """A one-line name of the layout (its tokens: :data:`NOTATION`)."""
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
         if self.pp > 1:
             parts.append(f"pp{self.pp}({self.pipeline_schedule} x{self.n_microbatches})")

@@ -44,7 +44,12 @@ from .units import (
 )
 
 __all__ = ["Memory", "Time", "CollectiveTotal", "RolePrediction", "Prediction", "predict",
-           "units_for", "clear_cache"]
+           "units_for", "clear_cache", "HEADROOM"]
+
+HEADROOM = 0.10
+"""The share of the usable memory a layout should leave free at its peak (allocator
+fragmentation, NCCL's buffers and workspaces the planner does not see):
+``torchloom plan`` warns below it and by default ranks only layouts that leave it."""
 
 STEP_BYTES = 4  # AdamW / Adam keep a float32 "step" per parameter tensor
 OPTIMIZER_TRAFFIC = 16  # bytes moved per parameter byte by an AdamW step (read + write)
@@ -156,7 +161,12 @@ class CollectiveTotal:
 
 @dataclass(frozen=True)
 class RolePrediction:
-    """One pipeline stage (every rank of it is alike)."""
+    """One pipeline stage (every rank of it is alike).
+
+    ``flops``: the FLOPs one rank of the stage executes in a step (checkpointed layers'
+    recomputation included); ``model_flops``: the same step's FLOPs without
+    recomputation (what :attr:`Prediction.mfu` counts).
+    """
 
     stage: int
     ranks: int
@@ -166,6 +176,7 @@ class RolePrediction:
     collectives: tuple[CollectiveTotal, ...]
     time: Time
     fits: bool
+    model_flops: int = 0
 
     def collective_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes per (kind, mesh dimension)."""
@@ -177,13 +188,22 @@ class RolePrediction:
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "ranks": self.ranks, "layers": self.layers,
                 "memory": self.memory.to_dict(), "flops": self.flops,
+                "model_flops": self.model_flops,
                 "collectives": [c.to_dict() for c in self.collectives],
                 "time": self.time.to_dict(), "fits": self.fits}
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """What a layout costs: per role, and for the step."""
+    """What a layout costs: per role, and for the step.
+
+    ``flops_per_step``: the FLOPs the whole job executes in a step, as FlopCounterMode
+    counts them, checkpointed layers' recomputation included (hardware FLOPs, for
+    :attr:`hfu`); ``model_flops_per_step``: the same step without recomputation (model
+    FLOPs, for :attr:`mfu`): 6 N per token for the N parameters that take part in matmuls
+    (a forward and two backward products each), plus attention's score and value
+    products. Without checkpointing the two are equal.
+    """
 
     model: str
     layout: Layout
@@ -192,6 +212,7 @@ class Prediction:
     step_time: float
     flops_per_step: int
     notes: tuple[str, ...] = field(default=())
+    model_flops_per_step: int = 0
 
     @property
     def fits(self) -> bool:
@@ -209,17 +230,36 @@ class Prediction:
         return self.layout.tokens / self.step_time if self.step_time > 0 else 0.0
 
     @property
-    def mfu(self) -> float:
-        """Model FLOPs utilisation: step FLOPs over step time times the world's peak in
-        the compute dtype."""
+    def headroom(self) -> float:
+        """The share of the profile's usable memory left free at the largest per-rank
+        peak: ``1 - peak / budget`` (negative when the layout does not fit)."""
+        return 1.0 - self.peak / self.profile.budget
+
+    def _utilisation(self, flops: int) -> float:
         peak = self.profile.flops.get(self.layout.compute_dtype, 0.0) * self.layout.world
-        return self.flops_per_step / (self.step_time * peak) if peak and self.step_time else 0.0
+        return flops / (self.step_time * peak) if peak and self.step_time else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs (:attr:`model_flops_per_step`, no
+        recomputation) over step time times the world's peak in the compute dtype."""
+        return self._utilisation(self.model_flops_per_step)
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: the FLOPs executed (:attr:`flops_per_step`,
+        recomputation included) over step time times the world's peak in the compute
+        dtype; at least :attr:`mfu`."""
+        return self._utilisation(self.flops_per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "layout": self.layout.to_dict(),
                 "profile": self.profile.name, "fits": self.fits, "peak": self.peak,
+                "budget": self.profile.budget, "headroom": self.headroom,
                 "step_time": self.step_time, "tokens_per_s": self.tokens_per_s,
-                "flops_per_step": self.flops_per_step, "mfu": self.mfu,
+                "flops_per_step": self.flops_per_step,
+                "model_flops_per_step": self.model_flops_per_step, "mfu": self.mfu,
+                "hfu": self.hfu,
                 "roles": [r.to_dict() for r in self.roles], "notes": list(self.notes)}
 
 
@@ -287,6 +327,10 @@ class _Layers:
              for n in ("L0", "L1", "L2")}
         self.fwd: list[_Piece] = []
         self.bwd: list[_Piece] = []
+        # a layer's forward and backward FLOPs without recomputation (model FLOPs)
+        plain = f["L2"].flops + b["L2"].flops
+        self.model = [plain + (f["L0"].flops + b["L0"].flops - f["L1"].flops - b["L1"].flops
+                               if j == 0 else 0) for j in range(num_layers)]
         for j in range(num_layers):
             if j < n_ckpt:
                 fw, bw = (f["L0"], b["L0"]) if j == 0 else (f["L1"], b["L1"])
@@ -394,6 +438,7 @@ class _Role:
     layers: int
     memory: Memory
     flops: int
+    model_flops: int
     totals: tuple[CollectiveTotal, ...]
     compute: float
     per_microbatch: float  # compute + exposed tensor-parallel and pipeline communication
@@ -448,8 +493,10 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
         bubble = max(0.0, pipe - n * r.per_microbatch)
         out.append(RolePrediction(r.stage, layout.tp * layout.dp, r.layers, r.memory, r.flops,
                                   r.totals, Time(r.compute, r.exposed, bubble, r.optimizer,
-                                                 step), r.memory.peak <= profile.budget))
+                                                 step), r.memory.peak <= profile.budget,
+                                  r.model_flops))
     total_flops = sum(r.flops for r in out) * layout.tp * layout.dp
+    model_flops = sum(r.model_flops for r in out) * layout.tp * layout.dp
     notes = []
     fsdp = units.key.fsdp > 1
     if layout.mixed_precision and fsdp:
@@ -458,7 +505,8 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     if fsdp and n > 1:
         notes.append("FSDP2 reduce-scatters every micro-step (its default); torchloom train "
                      "--grad-accum skips it on all but the last and keeps unsharded gradients")
-    return Prediction(spec.name, layout, profile, tuple(out), step, total_flops, tuple(notes))
+    return Prediction(spec.name, layout, profile, tuple(out), step, total_flops, tuple(notes),
+                      model_flops)
 
 
 def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile: Profile,
@@ -556,6 +604,9 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
     memory = Memory(params, grads, optimizer, buffers, ids_bytes, activations, peak)
     # ---- work and communication
     flops = n * (f_all.flops + b_first.flops)
+    model_flops = n * (sum(layers.model[j] for j in mine)
+                       + (e_f.flops + e_b.flops if first else 0)
+                       + (h_f.flops + h_b.flops if last else 0))
     compute_mb = f_all.seconds + b_first.seconds
     comm: Counter = Counter()
     for c, count in (f_all.comm + b_first.comm).items():
@@ -587,6 +638,6 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
                                              profile.memory_efficiency) if states else 0.0
     if states and impl == "single":  # a dozen operators per parameter tensor
         opt_time += OPTIMIZER_OPS * tensors * profile.op_overhead
-    return _Role(k, len(mine), memory, flops, totals, n * compute_mb,
+    return _Role(k, len(mine), memory, flops, model_flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)

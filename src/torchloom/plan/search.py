@@ -13,8 +13,11 @@ asked for. What a degree fixed by the caller leaves is searched.
 cannot fit (counted from the model's shapes, before anything is measured), predicts the
 rest (:func:`torchloom.plan.predict`; a measurement per tensor-parallel degree and
 data-parallel mode serves every depth, stage split and micro-batch size) and ranks them:
-those that fit by predicted throughput (tokens per second), then the others by peak
-memory.
+those that fit and leave ``min_headroom`` of the usable memory free
+(:attr:`~torchloom.plan.predict.Prediction.headroom`) by predicted throughput (tokens per
+second), then those that fit with less headroom by throughput, then the others by peak
+memory. ``torchloom plan`` asks for 10% headroom
+(:data:`~torchloom.plan.predict.HEADROOM`); the default here is 0 (every layout that fits).
 
 >>> result = search("gpt2", 2, "h100-80gb", batch_size=4, seq_len=32, ckpt_ratios=(0.0,),
 ...                 micro_batches=(2,), tp=1, pp=1)
@@ -50,11 +53,16 @@ class SearchResult:
     ranked: list[Prediction]
     rejected: list[tuple[Layout, str]] = field(default_factory=list)
     seconds: float = 0.0
+    min_headroom: float = 0.0
+
+    def eligible(self, p: Prediction) -> bool:
+        """Whether ``p`` fits and leaves at least :attr:`min_headroom` free."""
+        return p.fits and p.headroom >= self.min_headroom
 
     @property
     def best(self) -> Prediction | None:
-        """The fastest layout that fits (None when none does)."""
-        return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+        """The fastest layout that fits with :attr:`min_headroom` (None when none does)."""
+        return self.ranked[0] if self.ranked and self.eligible(self.ranked[0]) else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -138,11 +146,13 @@ def state_lower_bound(layout: Layout, layer_params: int, num_layers: int) -> int
 
 def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch_size: int,
            seq_len: int, schedule: ScheduleFn | None = None, size: str = "tiny",
-           progress: Progress | None = None, **space: Any) -> SearchResult:
+           progress: Progress | None = None, min_headroom: float = 0.0,
+           **space: Any) -> SearchResult:
     """Rank the layouts of ``gpus`` devices for ``model`` (see the module docstring).
     ``space``: the keyword arguments of :func:`enumerate_layouts` (degrees, modes, ratios,
     micro-batch sizes, dtypes, optimizer); ``progress(done, total, what)`` is called
-    before each prediction."""
+    before each prediction; ``min_headroom``: the share of the usable memory a layout
+    must leave free to rank among the first."""
     started = time.perf_counter()
     spec = model_spec(model, size=size, seq_len=seq_len)
     prof = get_profile(profile)
@@ -179,5 +189,6 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
             rejected.append((lay, err.problem))
     if progress is not None:
         progress(len(todo), len(todo), "done")
-    preds.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.peak))
-    return SearchResult(preds, rejected, time.perf_counter() - started)
+    preds.sort(key=lambda p: (not p.fits, p.headroom < min_headroom,
+                              -p.tokens_per_s if p.fits else p.peak))
+    return SearchResult(preds, rejected, time.perf_counter() - started, min_headroom)
