@@ -118,7 +118,7 @@ def _check_replaced_module_arguments_differ(rank: int) -> None:
             r"differs")) as info:
         tl.build(sch)
     message = str(info.value)
-    assert "Dropout(p=0.1, inplace=False)" in message and "Dropout(p=0.9" in message, message
+    assert "Dropout(p=0.1, inplace=False) train" in message and "Dropout(p=0.9" in message, message
 
 
 def _dropout_for_this_rank(old: nn.Module) -> nn.Module:

@@ -554,3 +554,224 @@ def test_missing_and_foreign_directories(tmp_path):
         f"    values: path={str(tmp_path)!r}, contents=['notes.txt']\n"
         "    fix: pass the directory given to torchloom.save(model, optimizer, path, step)")
     assert S.list_checkpoints(tmp_path) == [] and S.list_checkpoints(missing) == []
+
+
+# --------------------------------------------------------------------------- hostile files
+# (issue 24 item 5: forged sizes, huge markers, damaged folders at a resume, a lost
+# pointer, a save directory that cannot be written)
+
+
+def _rewrite(step_dir, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and record its checksum in the marker (a forgery: the
+    checksums then hold, only the checks of the content can refuse it)."""
+    (step_dir / name).write_bytes(data)
+    marker_file = step_dir / S.STEP_MARKER
+    marker = json.loads(marker_file.read_text())
+    marker["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    marker_file.write_text(json.dumps(marker))
+
+
+def _forge_metadata(step_dir, change) -> None:
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = S._MetadataUnpickler(f).load()
+    change(metadata)
+    _rewrite(step_dir, ".metadata", pickle.dumps(metadata))
+
+
+def test_forged_sizes_in_the_metadata_are_refused_before_any_allocation(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    path = tmp_path / "run"
+    S.save(*_model(0), path, step=1)
+    key = "optim.state.0.weight.exp_avg"
+
+    def huge(metadata):
+        md = metadata.state_dict_metadata[key]
+        md.size = torch.Size([100000, 100000])  # 40 GB of float32
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=md.size)]
+
+    _forge_metadata(path / "step-1", huge)
+    real_zeros = torch.zeros
+
+    def zeros(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
+        assert torch.Size(shape).numel() < 10**6, f"allocated {shape}"
+        return real_zeros(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    with pytest.raises(S.CheckpointMismatchError, match=re.escape(
+            f"load(...): optimizer state {key!r} does not fit its parameter: it claims "
+            "10000000000 elements, more than its parameter '0.weight' has (32)")) as info:
+        _load(path)
+    assert "checkpoint_shape=torch.Size([100000, 100000]), parameter_shape=(8, 4)" in \
+        str(info.value) or "checkpoint_shape=(100000, 100000), parameter_shape=(8, 4)" in \
+        str(info.value)
+    assert "fix: the checkpoint's '.metadata' is damaged or forged; load an earlier" in \
+        str(info.value)
+
+    # the parameter's own shape, but more bytes than the files hold for it
+    S.save(*_model(0), path, step=2)
+
+    def bigger_dtype(metadata):
+        metadata.state_dict_metadata[key].properties.dtype = torch.complex128
+        for index, info in metadata.storage_data.items():
+            if index.fqn == key:
+                info.length = 100  # fewer bytes than 32 complex numbers
+
+    _forge_metadata(path / "step-2", bigger_dtype)
+    with pytest.raises(S.CheckpointMismatchError, match=r"it claims 512 bytes, and the "
+                       r"checkpoint's files hold 100 bytes of it"):
+        _load(path, step=2)
+
+    # a piece placed beyond the end of its file (DCP would read that many bytes)
+    S.save(*_model(0), path, step=3)
+
+    def far(metadata):
+        for index, info in metadata.storage_data.items():
+            if index.fqn == key:
+                info.length = 10**12
+
+    _forge_metadata(path / "step-3", far)
+    with pytest.raises(S.CheckpointIOError, match=r"(?s)the DCP metadata places a piece outside "
+                       r"its file.*length=1000000000000"):
+        _load(path, step=3)
+
+
+def test_huge_markers_are_refused_unread_and_errors_stay_short(tmp_path):
+    path = tmp_path / "run"
+    first, opt = _model(1)
+    S.save(first, opt, path, step=1)
+    S.save(*_model(2), path, step=2)
+    marker = path / "step-2" / S.STEP_MARKER
+    with open(marker, "r+b") as f:  # sparse: big, and nothing to write
+        f.truncate(S._MAX_MARKER_BYTES + 1)
+    with pytest.warns(UserWarning, match=r"skipped step-2: cannot read the marker "
+                      r"'torchloom\.json' of checkpoint 'step-2': it has 16777217 bytes, "
+                      r"more than such a file can have \(16777216\)"):
+        step, loaded = _load(path)
+    assert step == 1 and _same(loaded, _weights(first))
+    # within the limit, a field of a million characters is quoted in 80
+    doc = json.loads((path / "step-1" / S.STEP_MARKER).read_text())
+    doc["format"] = "x" * 10**6
+    marker.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning) as caught:
+        assert _load(path)[0] == 1
+    assert [len(str(w.message)) < 500 for w in caught] == [True]
+    assert re.search(r"skipped step-2: the marker 'torchloom\.json' of checkpoint 'step-2' is "
+                     r"not valid: format 'x{79}\.\.\. \(1000002 characters\); this torchloom "
+                     r"reads format 2", str(caught[0].message))
+    with pytest.raises(S.CheckpointIOError) as info:
+        S.load(*_model(9), path / "step-2")
+    assert len(str(info.value)) < 1000 and "(1000002 characters)" in str(info.value)
+    # the pointer: 64 KiB at most
+    (path / POINTER).write_text(" " * (S._MAX_POINTER_BYTES + 1))
+    with pytest.raises(S.CheckpointIOError, match=r"the directory's marker is not one "
+                       r"torchloom wrote: 'torchloom-checkpoints\.json' is not readable JSON "
+                       r"\(it has 65537 bytes, more than such a file can have \(65536\)\)"):
+        S.check_save_dir(path)
+
+
+def test_a_damaged_or_symlinked_step_is_set_aside_at_resume_so_the_next_save_works(tmp_path):
+    path = tmp_path / "run"
+    first, opt = _model(1)
+    S.save(first, opt, path, step=2)
+    S.save(*_model(2), path, step=4)
+    # step-4's data file replaced by a symbolic link to an identical copy
+    shard = path / "step-4" / "__0_0.distcp"
+    copy = tmp_path / "copy.distcp"
+    copy.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(copy)
+    # and a step-6 that is a symbolic link to a folder elsewhere
+    (tmp_path / "elsewhere").mkdir()
+    (path / "step-6").symlink_to(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning) as caught:
+        ckpt = S.find_checkpoint(path, set_aside=True)
+    assert ckpt.step == 2
+    text = "\n".join(str(w.message) for w in caught)
+    assert re.search(r"set aside the damaged 'step-4' as '\.damaged-step-4-[0-9a-f]{12}', "
+                     r"'step-6' as '\.damaged-step-6-[0-9a-f]{12}' \(kept for inspection", text)
+    names = sorted(os.listdir(path))
+    assert names[2:] == ["step-2", POINTER] and all(
+        re.fullmatch(r"\.damaged-step-[46]-[0-9a-f]{12}", n) for n in names[:2])
+    assert copy.exists() and (tmp_path / "elsewhere").is_dir()  # nothing deleted
+    model, opt = _model(3)
+    S.load_checkpoint(model, opt, ckpt)
+    # the run goes on and saves steps 4 and 6 (it died here before)
+    S.save(model, opt, path, step=4)
+    S.save(model, opt, path, step=6)
+    assert S.load(*_model(9), path) == 6
+    assert {n for n in os.listdir(path) if not n.startswith(".damaged")} == \
+        {"step-4", "step-6", POINTER}
+    # without set_aside (a plain load), nothing is renamed
+    S.save(model, opt, path, step=8)
+    _flip_byte(path / "step-8" / "__0_0.distcp")
+    with pytest.warns(UserWarning, match="is damaged"):
+        assert S.find_checkpoint(path).step == 6
+    assert (path / "step-8").is_dir()
+
+
+def test_a_save_directory_without_its_pointer_is_recovered(tmp_path):
+    path = tmp_path / "run"
+    S.save(*_model(1), path, step=1)
+    second, opt = _model(2)
+    S.save(second, opt, path, step=2)
+    os.remove(path / POINTER)
+    S.check_save_dir(path)  # was: "the directory holds files torchloom did not write"
+    assert S.load(*_model(9), path) == 2
+    with pytest.warns(UserWarning, match=r"had lost its pointer file "
+                      r"'torchloom-checkpoints\.json'; its complete checkpoints \(step-1, "
+                      r"step-2\) were checked against their checksums"):
+        S.save(second, opt, path, step=3)
+    assert sorted(os.listdir(path)) == ["step-2", "step-3", POINTER]
+    assert json.loads((path / POINTER).read_text())["latest"] == "step-3"
+    # only a directory of complete checkpoints is taken back
+    os.remove(path / POINTER)
+    _flip_byte(path / "step-3" / "__0_0.distcp")
+    with pytest.raises(S.CheckpointIOError, match="the directory holds files torchloom did "
+                       "not write"):
+        S.check_save_dir(path)
+    _flip_byte(path / "step-3" / "__0_0.distcp")
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(S.CheckpointIOError, match="the directory holds files torchloom did "
+                       "not write"):
+        S.save(second, opt, path, step=4)
+    assert (path / "notes.txt").read_text() == "mine"
+
+
+def test_an_unwritable_save_directory_is_refused_before_training(tmp_path, monkeypatch):
+    from torchloom.apps.train import TrainConfig, TrainOptionError, check_config
+
+    (tmp_path / "file").write_text("x")
+    under_a_file = str(tmp_path / "file" / "run")
+    with pytest.raises(S.CheckpointIOError, match=re.escape(
+            f"save(...): the save directory cannot be written: {str(tmp_path / 'file')!r} is "
+            "a file, not a folder: nothing can be created under it")):
+        S.check_writable(under_a_file)
+    with pytest.raises(S.CheckpointIOError, match=r"(?s)torchloom train\(\.\.\.\): the save "
+                       r"directory cannot be written: .* is a file, not a folder.*fix: pass a "
+                       r"directory on a writable file system"):
+        check_config(TrainConfig(save_dir=under_a_file))
+    with pytest.raises(TrainOptionError, match=r"(?s)--save-pretrained '.*run' cannot be written: "
+                       r".* is a file, not a folder.*fix: --save-pretrained /scratch/exported"):
+        check_config(TrainConfig(save_pretrained=under_a_file))
+    # a read-only file system (simulated: tests run as root, where chmod does not stop a
+    # write), found by the probe file, and nothing is left behind
+    real_open = os.open
+
+    def read_only(file, flags, *args):
+        if ".torchloom-probe-" in str(file):
+            raise OSError(errno.EROFS, "Read-only file system", file)
+        return real_open(file, flags, *args)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(S.CheckpointIOError, match=r"cannot create a file in '.*ro': "
+                       r"Read-only file system"):
+        check_config(TrainConfig(save_dir=str(tmp_path / "ro" / "run")))
+    monkeypatch.undo()
+    S.check_writable(tmp_path / "ro" / "run")
+    assert os.listdir(tmp_path / "ro") == []
+    if os.path.isdir("/sys") and S._writable_problem("/sys/torchloom-run") is not None:
+        with pytest.raises(S.CheckpointIOError, match=r"cannot create a file in '/sys'"):
+            S.check_writable("/sys/torchloom-run")  # a real failure, even as root

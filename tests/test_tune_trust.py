@@ -50,7 +50,7 @@ def test_forged_rows_are_neither_resumed_nor_shown(tmp_path: Path) -> None:
     slow = {"batch_size": 1, "ckpt_ratio": 0.0}
     with sqlite3.connect(db) as conn:
         # (1) a row of another fingerprint (another model or space) claiming a record speed
-        conn.execute("INSERT INTO trials VALUES (?, ?, ?, 0, 'ok', 1e12, 1, 1, NULL, ?, 0, 0)",
+        conn.execute("INSERT INTO trials VALUES (?, ?, ?, 0, 'ok', 1e12, 1, 1, NULL, ?, 0, 0, '')",
                      ("default", "f" * 64, point_key(reference.best.point), harmless))
         # (2) this study's row of a bad point, given a record speed and the code payload
         conn.execute("UPDATE trials SET throughput = 1e12, recipe = ? WHERE key = ?",
@@ -60,8 +60,11 @@ def test_forged_rows_are_neither_resumed_nor_shown(tmp_path: Path) -> None:
                      (harmless.replace("0.0", "0.5"), point_key(slow)))
     again, second, same = _run(db)
     assert same == fingerprint
-    assert [point_key(p) for p in second.calls] == [point_key(slow), point_key(worst)]
+    # the two discarded rows run again, then the best (read from the file) is re-measured
+    assert [point_key(p) for p in second.calls] == [point_key(slow), point_key(worst),
+                                                    point_key(reference.best.point)]
     assert again.discarded == 2 and again.resumed == 6 and again.evaluations == 2
+    assert again.remeasured == 1 and again.notes == []
     assert again.best is not None and again.best.point == reference.best.point
     assert again.best.throughput == reference.best.throughput
     assert max(r.throughput for r in again.records) == reference.best.throughput
@@ -83,7 +86,8 @@ def test_a_study_of_another_model_or_space_is_not_resumed(tmp_path: Path) -> Non
     _, other_space, third = _run(db, space=space)
     assert third not in (fingerprint, other) and len(other_space.calls) == space.count()
     resumed, same_again, again = _run(db)
-    assert again == fingerprint and not same_again.calls and resumed.resumed == 8
+    assert again == fingerprint and resumed.resumed == 8
+    assert same_again.calls == [resumed.best.point] and resumed.remeasured == 1  # the best
     # a transformers model: its config is part of the fingerprint
     from torchloom.schedules import zoo
 
@@ -147,3 +151,64 @@ def test_the_command_refuses_vit_and_non_positive_batch_sizes() -> None:
     assert result.exit_code == 2, result.output
     assert "batch sizes must be positive integers" in result.output
     assert "batch_sizes=[0, -4]" in result.output
+
+
+def test_a_row_whose_figures_were_edited_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "trials.db"
+    reference, _, _ = _run(db)
+    slow = {"batch_size": 1, "ckpt_ratio": 0.0}
+    with sqlite3.connect(db) as conn:  # the throughput alone, recipe untouched
+        conn.execute("UPDATE trials SET throughput = 1e12 WHERE key = ?", (point_key(slow),))
+    evaluate = Synthetic()
+    with pytest.raises(TuneDatabaseError, match=(
+            r"(?s)tune\.Database\(\.\.\.\): '.*trials\.db' holds a row whose recorded figures do "
+            r"not match its digest: the row of point \{\"batch_size\":1,\"ckpt_ratio\":0\.0\} "
+            r"was changed after the tuner wrote it.*throughput=1000000000000\.0.*fix: delete "
+            r"that row and the tuner measures the point again: sqlite3 .*DELETE FROM trials "
+            r"WHERE study = 'default' AND fingerprint = '[0-9a-f]{64}' AND seq = 0")):
+        _run(db, evaluate=evaluate)
+    assert evaluate.calls == []
+    assert [r.intact for r in Database(db).load()].count(False) == 1
+    with sqlite3.connect(db) as conn:  # the fix the message gives
+        conn.execute("DELETE FROM trials WHERE key = ?", (point_key(slow),))
+    again, evaluate, _ = _run(db)
+    assert evaluate.calls == [slow, reference.best.point] and again.evaluations == 1
+    assert again.best.point == reference.best.point
+
+
+def _forge_throughput(db: Path, point: dict, throughput: float) -> None:
+    """Raise a row's throughput and recompute its digest (the digest has no secret)."""
+    from torchloom.tune.database import row_digest
+
+    with sqlite3.connect(db) as conn:
+        row = conn.execute("SELECT study, fingerprint, key, status, throughput, "
+                           "peak_memory_bytes, predicted_memory_bytes, error, recipe, seconds "
+                           "FROM trials WHERE key = ?", (point_key(point),)).fetchone()
+        conn.execute("UPDATE trials SET throughput = ?, digest = ? WHERE key = ?",
+                     (throughput, row_digest(*row[:4], throughput, *row[5:]), point_key(point)))
+
+
+def test_a_forged_best_with_a_recomputed_digest_is_measured_again(tmp_path: Path) -> None:
+    db = tmp_path / "trials.db"
+    reference, _, fingerprint = _run(db)
+    slow = {"batch_size": 1, "ckpt_ratio": 0.0}
+    _forge_throughput(db, slow, 1e12)
+    assert Database(db, fingerprint=fingerprint).get(slow).intact
+    with pytest.warns(UserWarning, match=r"the stored best \{'batch_size': 1, 'ckpt_ratio': "
+                      r"0\.0\} \(throughput 1e\+12 in .*trials\.db\) measured 111\.111 when run "
+                      r"again; the row now holds the new measurement"):
+        again, evaluate, _ = _run(db)
+    # the forged row, then the true best (also from the file) measured again
+    assert evaluate.calls == [slow, reference.best.point] and again.remeasured == 2
+    assert again.best.point == reference.best.point
+    assert again.best.throughput == reference.best.throughput and len(again.notes) == 1
+    assert Database(db, fingerprint=fingerprint).get(slow).throughput < 1e3  # replaced
+    # without the re-measurement, the forgery would be reported
+    _forge_throughput(db, slow, 1e12)
+    tuner = Tuner(grid_space(), tiny_model, schedule, Synthetic(), db=db, remeasure_best=False)
+    try:
+        assert tuner.run("exhaustive").best.point == slow
+    finally:
+        tuner.close()
+    with pytest.raises(TuneError, match=r"remeasure_tolerance must be a non-negative fraction"):
+        Tuner(grid_space(), tiny_model, schedule, Synthetic(), remeasure_tolerance=-1)

@@ -84,6 +84,49 @@ def ckpt_load_a_forged_marker(tmp_path: Path):
     tl.load(_model(), None, run / "step-1")
 
 
+def ckpt_load_a_forged_optimizer_state_size(tmp_path: Path):
+    import hashlib
+    import json
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    step = Path(tl.save(model, opt, tmp_path / "run", 1))
+    with open(step / ".metadata", "rb") as f:
+        metadata = S._MetadataUnpickler(f).load()
+    md = metadata.state_dict_metadata["optim.state.0.weight.exp_avg"]
+    md.size = torch.Size([100000, 100000])
+    md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=md.size)]
+    data = pickle.dumps(metadata)
+    (step / ".metadata").write_bytes(data)
+    marker = json.loads((step / S.STEP_MARKER).read_text())
+    marker["files"][".metadata"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                    "bytes": len(data)}
+    (step / S.STEP_MARKER).write_text(json.dumps(marker))
+    tl.load(model, opt, step)
+
+
+def ckpt_load_a_huge_marker(tmp_path: Path):
+    run = _saved(tmp_path / "run")
+    with open(run / "step-1" / S.STEP_MARKER, "r+b") as f:
+        f.truncate(200 * 2**20)  # sparse: 200 MiB, never read
+    tl.load(_model(), None, run / "step-1")
+
+
+def train_save_dir_under_a_file(tmp_path: Path):
+    (tmp_path / "model.bin").write_bytes(b"weights")
+    check_config(TrainConfig(save_dir=str(tmp_path / "model.bin" / "run")))
+
+
+def train_save_pretrained_under_a_file(tmp_path: Path):
+    (tmp_path / "model.bin").write_bytes(b"weights")
+    check_config(TrainConfig(save_pretrained=str(tmp_path / "model.bin" / "exported")))
+
+
 def train_resume_nothing_there(tmp_path: Path):
     check_config(TrainConfig(save_dir=str(tmp_path / "runs-typo"), resume=True))
 
@@ -143,6 +186,21 @@ CASES: list[tuple[Callable, type, str]] = [
     (ckpt_load_a_forged_marker, S.CheckpointIOError,
      r"the marker 'torchloom\.json' of checkpoint 'step-1' is not valid: it lists a file that "
      r"is not a checkpoint file: '\.\./\.\./etc/passwd'"),
+    (ckpt_load_a_forged_optimizer_state_size, S.CheckpointMismatchError,
+     r"load\(\.\.\.\): optimizer state 'optim\.state\.0\.weight\.exp_avg' does not fit its "
+     r"parameter: it claims 10000000000 elements, more than its parameter '0\.weight' has "
+     r"\(16\).*key='optim\.state\.0\.weight\.exp_avg', checkpoint_shape=\(100000, 100000\), "
+     r"parameter_shape=\(4, 4\).*fix: the checkpoint's '\.metadata' is damaged or forged"),
+    (ckpt_load_a_huge_marker, S.CheckpointIOError,
+     r"cannot read the marker 'torchloom\.json' of checkpoint 'step-1': it has 209715200 "
+     r"bytes, more than such a file can have \(16777216\)"),
+    (train_save_dir_under_a_file, S.CheckpointIOError,
+     r"torchloom train\(\.\.\.\): the save directory cannot be written: '.*model\.bin' is a "
+     r"file, not a folder: nothing can be created under it.*fix: pass a directory on a "
+     r"writable file system"),
+    (train_save_pretrained_under_a_file, ScheduleError,
+     r"--save-pretrained '.*exported' cannot be written: '.*model\.bin' is a file, not a "
+     r"folder.*fix: --save-pretrained /scratch/exported"),
     (train_resume_nothing_there, S.CheckpointIOError,
      r"torchloom train\(\.\.\.\): --resume: the save directory holds no complete checkpoint "
      r"to resume from.*contents=\['\(missing\)'\].*fix: check the directory name"),

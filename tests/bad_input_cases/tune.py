@@ -87,6 +87,14 @@ def tune_db_of_a_newer_schema(tmp_path: Path):
     Database(tmp_path / "new.db")
 
 
+def tune_db_of_schema_2(tmp_path: Path):
+    with sqlite3.connect(tmp_path / "v2.db") as conn:
+        conn.execute("CREATE TABLE trials (x TEXT)")
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute("PRAGMA user_version = 2")
+    Database(tmp_path / "v2.db")
+
+
 def tune_db_row_with_a_point_that_is_not_json(tmp_path: Path):
     path = _ours(tmp_path)
     with sqlite3.connect(path) as conn:
@@ -115,6 +123,20 @@ def tune_db_row_with_a_text_throughput(tmp_path: Path):
     Database(path).load()
 
 
+def tune_db_row_whose_throughput_was_edited(tmp_path: Path):
+    from tests.test_tune import Synthetic, schedule, tiny_model
+    from torchloom.tune import Space, Tuner
+
+    space = Space()
+    space.create_symbol("batch_size", [1, 2])
+    space.create_symbol("ckpt_ratio", [0.0])
+    path = tmp_path / "tune.db"
+    Tuner(space, tiny_model, schedule, Synthetic(), db=path).run("exhaustive")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE trials SET throughput = 1e9 WHERE seq = 0")
+    Tuner(space, tiny_model, schedule, Synthetic(), db=path).run("exhaustive")
+
+
 CASES: list[tuple[Callable, type, str]] = [
     (tune_vit, TuneError, r"torchloom tune\(\.\.\.\): cannot tune 'vit': it takes images "
      r"\(pixel_values\), and this command feeds token ids; the command tunes bert, gpt2, llama, "
@@ -140,7 +162,7 @@ CASES: list[tuple[Callable, type, str]] = [
     (tune_db_of_the_old_schema, TuneDatabaseError, r"'.*old\.db' was written by an older "
      r"torchloom \(schema 1"),
     (tune_db_of_a_newer_schema, TuneDatabaseError, r"is a torchloom tuner database of schema 7; "
-     r"this torchloom reads schema 2"),
+     r"this torchloom reads schema 3"),
     (tune_db_row_with_a_point_that_is_not_json, TuneDatabaseError, r"holds a row the tuner "
      r"never writes: its point is not a JSON object in canonical form: '\{not json'"),
     (tune_db_row_with_an_unknown_status, TuneDatabaseError, r"holds a row the tuner never "
@@ -149,4 +171,11 @@ CASES: list[tuple[Callable, type, str]] = [
      r"recipe's JSON: 'import os'"),
     (tune_db_row_with_a_text_throughput, TuneDatabaseError, r"throughput is 'fast', not a "
      r"non-negative number"),
+    (tune_db_of_schema_2, TuneDatabaseError, r"'.*v2\.db' was written by an older torchloom "
+     r"\(schema 2: rows without the digest of their figures this torchloom checks\).*"
+     r"fix: pass another results file"),
+    (tune_db_row_whose_throughput_was_edited, TuneDatabaseError, r"'.*tune\.db' holds a row "
+     r"whose recorded figures do not match its digest: the row of point "
+     r"\{\"batch_size\":1,\"ckpt_ratio\":0\.0\} was changed after the tuner wrote it.*"
+     r"throughput=1000000000\.0.*fix: delete that row and the tuner measures the point again"),
 ]

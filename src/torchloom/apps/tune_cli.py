@@ -282,6 +282,11 @@ def _tune(model: str, budget_gb: float, strategy_name: str, db: str, plot: str |
     if result.discarded:
         console.print(f"[yellow]{result.discarded} stored trials of {db} did not hold this "
                       "schedule's recipe[/]: they were run again and replaced")
+    if result.remeasured:
+        console.print(f"the best trial read from {db} was measured again before it is "
+                      f"reported ({result.remeasured} run)")
+    for note in result.notes:
+        console.print(f"[yellow]{note}[/]")
     if plot is not None:
         plot_space(result.records, plot, title=title, all_points=list(space.enumerate()))
         console.print(f"figure of the explored space: {plot}")

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import PlanError
+from ..core.rules import checkpointed_count, even_cuts
 from .spec import DTYPES, ModelSpec
 
 __all__ = ["Layout", "OPTIMIZERS", "SCHEDULES", "DP_MODES", "NOTATION", "check_model"]
@@ -131,13 +132,12 @@ class Layout:
         """The layers after which a stage ends (``stage_cuts``, or an even split)."""
         if self.stage_cuts is not None:
             return list(self.stage_cuts)
-        per = num_layers // self.pp
-        return [(k + 1) * per - 1 for k in range(self.pp - 1)]
+        return even_cuts(num_layers, self.pp)
 
     def checkpointed(self, num_layers: int) -> int:
-        """How many layers (the first ones) are checkpointed (``int(ratio * layers)``, as
-        ``checkpoint(ratio=...)`` does)."""
-        return int(self.ckpt_ratio * num_layers)
+        """How many layers (the first ones) are checkpointed: what
+        ``checkpoint(ratio=...)`` wraps (:func:`~torchloom.core.rules.checkpointed_count`)."""
+        return checkpointed_count(self.ckpt_ratio, num_layers)
 
     def describe(self) -> str:
         """A one-line name of the layout (its tokens: :data:`NOTATION`)."""

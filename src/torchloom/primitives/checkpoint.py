@@ -84,7 +84,6 @@ True
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 import sys
 from typing import TYPE_CHECKING, Any, Literal
@@ -96,6 +95,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from ..core.errors import CheckpointError
 from ..core.marks import CHECKPOINTED, has_mark, set_mark
 from ..core.registry import primitive
+from ..core.rules import checkpointed_count
 from ..graph.guards import CACHE_FLAG, cache_length, is_cache, layer_index, warn_once
 from ..graph.subgraph import GraphHolder, extract, recorded_matches, resolve, splice
 from ..runtime.rng import get_rng_tracker
@@ -324,8 +324,7 @@ def _apply_ratio(sch: Schedule, ratio: Any) -> None:
             "ratio at the layer list, e.g. sch['transformer.h'].checkpoint(ratio=0.5)",
         )
     items = list(sch.child.values())
-    # floor(ratio * n), guarded against float error (0.29 * 100 is 28.999999999999996).
-    count = min(len(items), math.floor(float(ratio) * len(items) + 1e-9))
+    count = checkpointed_count(float(ratio), len(items))
     chosen: list[Schedule] = []
     seen: set[int] = set()
     for node in items[:count]:

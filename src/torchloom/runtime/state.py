@@ -38,10 +38,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
 import shutil
+import stat
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -73,6 +75,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CollectiveTimeoutError",
     "check_save_dir",
+    "check_writable",
     "describe_dir",
     "find_checkpoint",
     "full_optimizer_state_dict",
@@ -249,13 +252,37 @@ complete checkpoint."""
 _OLD_MARKER = "torchloom.pt"  # format 1: one checkpoint per directory, a pickled marker
 _KIND_DIR = "torchloom checkpoint directory"
 _KIND_STEP = "torchloom checkpoint"
-_MAX_JSON_BYTES = 256 * 2**20
+_MAX_MARKER_BYTES = 16 * 2**20
+"""The largest checkpoint marker read (a marker lists every tensor's name and every
+file's checksum: about 250 bytes per tensor, so 16 MiB holds some 60 000 tensors)."""
+_MAX_POINTER_BYTES = 64 * 2**10
+"""The largest pointer file read (torchloom writes about 150 bytes)."""
+_MAX_OPTIMIZER_STATES = 64
+"""The most tensor states one parameter may have in a checkpoint (AdamW has 3)."""
 _STEP_RE = re.compile(r"step-(\d+)")
 _TMP_RE = re.compile(r"\.tmp-step-(\d+)-([0-9a-f]{12})")
 _OLD_RE = re.compile(r"\.old-step-(\d+)-([0-9a-f]{12})")
 _JSON_TMP_RE = re.compile(r"(?:torchloom-checkpoints|torchloom)\.json\.tmp-[0-9a-f]{12}")
 _DCP_FILE_RE = re.compile(r"\.metadata|__\d+_\d+\.distcp")
 _DCP_TMP_RE = re.compile(r"\.metadata\.tmp")
+_DAMAGED_RE = re.compile(r"\.damaged-step-(\d+)-([0-9a-f]{12})")
+
+
+def _clip_text(text: str, limit: int = 200) -> str:
+    """``text`` cut to about ``limit`` characters: what an error quotes of a file's content
+    stays short, whatever the file holds."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut like :func:`_clip_text`."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's digit limit
+        text = f"<{type(value).__name__}>"
+    return _clip_text(text, limit)
 
 
 def _save_fix(primitive: str) -> str:
@@ -326,7 +353,7 @@ def _from_json(value: Any) -> Any:
         if set(value) == {"__tensor__", "dtype"}:
             dtype = getattr(torch, str(value["dtype"]), None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"unknown dtype {value['dtype']!r}")
+                raise ValueError(f"unknown dtype {_clip(value['dtype'])}")
             return torch.tensor(value["__tensor__"], dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     return value
@@ -362,13 +389,23 @@ def _write_json_atomic(file: str, obj: Any) -> None:
     _fsync_dir(os.path.dirname(file) or ".")
 
 
-def _read_json(file: str) -> Any:
-    """Parse a JSON file we are about to trust nothing of (size-limited)."""
-    size = os.path.getsize(file)
-    if size > _MAX_JSON_BYTES:
-        raise ValueError(f"{size} bytes, more than a marker can be ({_MAX_JSON_BYTES})")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+def _read_json(file: str, limit: int = _MAX_MARKER_BYTES) -> Any:
+    """Parse a JSON file we are about to trust nothing of: its size is checked before it
+    is read (and no more than ``limit`` bytes are read), errors are short."""
+    info = os.stat(file)
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("it is not a regular file")
+    size = info.st_size
+    if size > limit:
+        raise ValueError(f"it has {size} bytes, more than such a file can have ({limit})")
+    with open(file, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew since
+        raise ValueError(f"it has more than {limit} bytes, more than such a file can have")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(_clip_text(f"{type(exc).__name__}: {exc}")) from None
 
 
 def _is_int(value: Any) -> bool:
@@ -383,16 +420,18 @@ def _dir_marker(path: str) -> tuple[dict[str, Any] | None, str | None]:
     if os.path.islink(file) or not os.path.isfile(file):
         return None, f"{DIR_MARKER!r} is not a regular file"
     try:
-        marker = _read_json(file)
+        marker = _read_json(file, _MAX_POINTER_BYTES)
     except (OSError, ValueError, RecursionError) as exc:
-        return None, f"{DIR_MARKER!r} is not readable JSON ({exc})"
+        return None, f"{DIR_MARKER!r} is not readable JSON ({_clip_text(str(exc))})"
     if not isinstance(marker, dict) or marker.get("torchloom") != _KIND_DIR:
         return None, f"{DIR_MARKER!r} is not a torchloom marker"
     if marker.get("format") != FORMAT:
-        return None, (f"{DIR_MARKER!r} is of format {marker.get('format')!r}; this torchloom "
-                      f"writes format {FORMAT}")
+        return None, (f"{DIR_MARKER!r} is of format {_clip(marker.get('format'))}; this "
+                      f"torchloom writes format {FORMAT}")
     if not _is_int(marker.get("serial")):
         return None, f"{DIR_MARKER!r} has no serial number"
+    if not isinstance(marker.get("latest"), (str, type(None))):
+        return None, f"{DIR_MARKER!r} names no checkpoint folder"
     return marker, None
 
 
@@ -401,7 +440,7 @@ def _marker_problem(marker: Any, name: str) -> str | None:
     if not isinstance(marker, dict) or marker.get("torchloom") != _KIND_STEP:
         return "not a torchloom checkpoint marker"
     if marker.get("format") != FORMAT:
-        return f"format {marker.get('format')!r}; this torchloom reads format {FORMAT}"
+        return f"format {_clip(marker.get('format'))}; this torchloom reads format {FORMAT}"
     for key in ("step", "serial", "world_size"):
         if not _is_int(marker.get(key)) or marker[key] < 0:
             return f"{key} is not a non-negative integer"
@@ -409,16 +448,18 @@ def _marker_problem(marker: Any, name: str) -> str | None:
     for pattern in expected:
         match = pattern.fullmatch(name)
         if match and int(match.group(1)) != marker["step"]:
-            return f"it records step {marker['step']}, its folder is named {name!r}"
+            return f"it records step {_clip(marker['step'])}, its folder is named {name!r}"
     files = marker.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         return "it lists no files"
     for file, entry in files.items():
         if not isinstance(file, str) or not _DCP_FILE_RE.fullmatch(file):
             return f"it lists a file that is not a checkpoint file: {str(file)[:80]!r}"
+        if len(file) > 64:
+            return f"it lists a file name of {len(file)} characters: {file[:40]!r}..."
         if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
                 or not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
-                or not _is_int(entry.get("bytes"))):
+                or not _is_int(entry.get("bytes")) or entry["bytes"] < 0):
             return f"the checksum entry of {file!r} is malformed"
     keys = marker.get("model_keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -435,8 +476,12 @@ def _marker_problem(marker: Any, name: str) -> str | None:
     tensor_state = marker.get("tensor_state")
     if not isinstance(tensor_state, dict) or not all(
             isinstance(v, list) and all(isinstance(k, str) for k in v)
-            for v in tensor_state.values()):
+            and len(set(v)) == len(v) for v in tensor_state.values()):
         return "tensor_state is malformed"
+    crowded = [name for name, v in tensor_state.items() if len(v) > _MAX_OPTIMIZER_STATES]
+    if crowded:
+        return (f"tensor_state lists more than {_MAX_OPTIMIZER_STATES} states of parameter "
+                f"{_clip(crowded[0])}")
     other = marker.get("other_state")
     if not isinstance(other, dict) or not all(isinstance(v, dict) for v in other.values()):
         return "other_state is malformed"
@@ -455,7 +500,7 @@ def _read_checkpoint(path: str) -> Checkpoint:
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointIOError(
             f"cannot read the marker {STEP_MARKER!r} of checkpoint {os.path.basename(path)!r}: "
-            f"{exc}", primitive="load", values={"path": path},
+            f"{_clip_text(str(exc))}", primitive="load", values={"path": path},
             fix="the checkpoint is damaged; load an earlier one: load(model, optimizer, "
             "save_dir, step=...)") from exc
     problem = _marker_problem(marker, os.path.basename(path))
@@ -516,6 +561,8 @@ def _describe(path: str, limit: int = 10) -> list[str]:
         elif _TMP_RE.fullmatch(entry):
             complete = os.path.isfile(os.path.join(full, STEP_MARKER))
             note = " (interrupted save, complete)" if complete else " (interrupted save)"
+        elif _DAMAGED_RE.fullmatch(entry):
+            note = " (set aside at a resume: damaged)"
         elif _OLD_RE.fullmatch(entry) or _STEP_RE.fullmatch(entry):
             complete = os.path.isfile(os.path.join(full, STEP_MARKER))
             note = "" if complete else " (no marker: incomplete or damaged)"
@@ -644,10 +691,83 @@ def _refusal(path: str, primitive: str) -> CheckpointIOError | None:
             f"the directory's marker is not one torchloom wrote: {problem}",
             primitive=primitive, values={**values, "contents": _describe(path, 6)},
             fix=save_fix)
+    if _recoverable(path, entries):
+        return None  # its pointer was deleted: the next save writes it again
     return CheckpointIOError(
         "the directory holds files torchloom did not write; a save writes only into an "
         "empty directory or one torchloom made", primitive=primitive,
         values={**values, "contents": _describe(path, 6)}, fix=save_fix)
+
+
+def _recoverable(path: str, entries: list[str]) -> bool:
+    """Whether a directory without its pointer file is a save directory whose pointer was
+    deleted: it holds nothing but what saves write (``step-N`` checkpoints, complete and
+    matching their checksums; temporaries of saves; folders set aside at a resume) and at
+    least one complete checkpoint. Reads every checkpoint's files once."""
+    complete = False
+    for entry in entries:
+        full = os.path.join(path, entry)
+        if _JSON_TMP_RE.fullmatch(entry) and os.path.isfile(full) and not os.path.islink(full):
+            continue
+        if os.path.islink(full) or not os.path.isdir(full):
+            return False
+        if _DAMAGED_RE.fullmatch(entry):
+            continue  # never removed by torchloom: nothing of it is at risk
+        if not (_STEP_RE.fullmatch(entry) or _TMP_RE.fullmatch(entry)
+                or _OLD_RE.fullmatch(entry)) or not _ours_inside(full):
+            return False
+        if _STEP_RE.fullmatch(entry):
+            try:
+                ckpt = _read_checkpoint(full)
+            except CheckpointIOError:
+                return False
+            files = ckpt.marker["files"]
+            if any(_file_problem(full, name, files[name]) for name in sorted(files)):
+                return False
+            complete = True
+    return complete
+
+
+def _writable_problem(path: str) -> str | None:
+    """Why nothing can be written at ``path`` (a folder, made if missing), or None: a probe
+    file is created (``O_CREAT | O_EXCL``) and removed in it, or in its nearest existing
+    parent when it is missing. Permission bits do not tell (root ignores them; a
+    read-only file system does not show in them), a real write does."""
+    folder = os.path.abspath(path)
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{folder!r} is a file, not a folder: nothing can be created under it"
+    probe = os.path.join(folder, f".torchloom-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as exc:
+        return f"cannot create a file in {folder!r}: {exc.strerror or exc}"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.remove(probe)
+    return None
+
+
+def check_writable(path: str | os.PathLike, primitive: str = "save") -> None:
+    """Raise :class:`CheckpointIOError` unless a save can write into ``path`` (see
+    :func:`_writable_problem`); ``torchloom train`` checks its ``--save-dir`` so before
+    the first step.
+
+    >>> check_writable("/proc/torchloom-run")
+    Traceback (most recent call last):
+    ...
+    torchloom.core.errors.CheckpointIOError: save(...): the save directory cannot be written: ...
+    """
+    path = os.path.normpath(os.fspath(path))
+    problem = _writable_problem(path)
+    if problem is not None:
+        raise CheckpointIOError(
+            f"the save directory cannot be written: {problem}", primitive=primitive,
+            values={"path": path},
+            fix="pass a directory on a writable file system: --save-dir /scratch/runs/run1"
+            if primitive != "save" else "save into a writable directory: "
+            "torchloom.save(model, optimizer, '/scratch/runs/run1', step)")
 
 
 def check_save_dir(path: str | os.PathLike, primitive: str = "save") -> None:
@@ -696,6 +816,12 @@ def _claim(path: str, step: int) -> None:
                 values={"path": path}, fix="fix the parent's permissions, or " + _save_fix("save")
             ) from exc
     if _dir_marker(path)[0] is None:
+        steps = sorted(e for e in os.listdir(path) if _STEP_RE.fullmatch(e))
+        if steps:  # _refusal found them complete: the pointer was deleted
+            warnings.warn(
+                f"torchloom.save: {path!r} had lost its pointer file {DIR_MARKER!r}; its "
+                f"complete checkpoints ({', '.join(steps[:6])}) were checked against their "
+                "checksums and the pointer is written again", stacklevel=3)
         for entry in os.listdir(path):  # a crashed claim's temporary
             if _JSON_TMP_RE.fullmatch(entry):
                 os.remove(os.path.join(path, entry))
@@ -1058,9 +1184,11 @@ def _file_problem(folder: str, name: str, entry: dict[str, Any]) -> str | None:
         return f"file {name!r} is a symbolic link"
     if not os.path.isfile(file):
         return f"file {name!r} is missing"
-    digest, size = _sha256(file)
+    size = os.path.getsize(file)  # a file of another size is not read at all
+    if size == entry["bytes"]:
+        digest, size = _sha256(file)
     if size != entry["bytes"]:
-        return f"file {name!r} has {size} bytes, its marker records {entry['bytes']}"
+        return f"file {name!r} has {size} bytes, its marker records {_clip(entry['bytes'])}"
     if digest != entry["sha256"]:
         return f"file {name!r} does not match the SHA-256 checksum its marker records"
     return None
@@ -1104,8 +1232,8 @@ def _candidates(path: str, step: int | None, primitive: str
         pointer, _ = _dir_marker(path)
         if (pointer and pointer.get("latest") and found and pointer["serial"] > found[0].serial
                 and not any(p.startswith(f"{pointer['latest']}:") for p in problems)):
-            notes.append(f"the pointer names {pointer['latest']!r} (step {pointer['step']}), "
-                         "which is missing or damaged")
+            notes.append(f"the pointer names {_clip(pointer['latest'])} (step "
+                         f"{_clip(pointer.get('step'))}), which is missing or damaged")
     elif _OLD_MARKER in entries:
         raise CheckpointIOError(
             f"a checkpoint of torchloom's format 1 ({_OLD_MARKER!r}); this torchloom reads "
@@ -1135,8 +1263,46 @@ def _candidates(path: str, step: int | None, primitive: str
     return found, notes
 
 
+def _unusable_steps(path: str) -> list[str]:
+    """The ``step-N`` entries of save directory ``path`` that cannot be checkpoints: a
+    symbolic link, a file, a folder without a valid marker."""
+    out = []
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if not _STEP_RE.fullmatch(entry):
+            continue
+        if os.path.islink(full) or not os.path.isdir(full):
+            out.append(entry)
+            continue
+        try:
+            _read_checkpoint(full)
+        except CheckpointIOError:
+            out.append(entry)
+    return out
+
+
+def _set_aside(path: str, names: list[str]) -> list[tuple[str, str]]:
+    """Rename each damaged checkpoint folder ``names`` of save directory ``path`` to
+    ``.damaged-step-N-<id>`` (kept, never removed by torchloom), so that the save of its
+    step can write ``step-N`` again; returns ``(old, new)`` names."""
+    moved = []
+    for name in names:
+        match = _STEP_RE.fullmatch(name) or _TMP_RE.fullmatch(name) or _OLD_RE.fullmatch(name)
+        if match is None:
+            continue
+        new = f".damaged-step-{match.group(1)}-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(os.path.join(path, name), os.path.join(path, new))
+        except OSError:  # gone already (another process set it aside), or not ours to move
+            continue
+        moved.append((name, new))
+    if moved:
+        _fsync_dir(path)
+    return moved
+
+
 def find_checkpoint(path: str | os.PathLike, *, step: int | None = None, group: Any = None,
-                    primitive: str = "load") -> Checkpoint:
+                    primitive: str = "load", set_aside: bool = False) -> Checkpoint:
     """The newest complete checkpoint in save directory ``path`` (or the one of ``step``)
     whose files match their checksums; a collective over ``group`` (the checksums are
     checked split over its ranks, one read of the checkpoint in all).
@@ -1146,6 +1312,13 @@ def find_checkpoint(path: str | os.PathLike, *, step: int | None = None, group: 
     a warning naming it and the file, and the previous one is taken; when none is left,
     :class:`CheckpointIOError` names the first damaged file. Raises it too when nothing
     loadable is there (the message lists what the directory holds).
+
+    ``set_aside=True`` (a run that resumes and will save into ``path`` again): once a
+    checkpoint is found, the group's rank 0 renames the damaged folders of the directory
+    (those skipped, and ``step-N`` entries that are symbolic links, files or folders
+    without a valid marker) to ``.damaged-step-N-<id>`` and names them in a warning: they
+    are kept, and the run's save of step N can write ``step-N``. Pass it on one group per
+    directory (e.g. data-parallel replica 0).
     """
     if step is not None and (not _is_int(step) or step < 0):
         raise CheckpointIOError(
@@ -1165,6 +1338,16 @@ def find_checkpoint(path: str | os.PathLike, *, step: int | None = None, group: 
                         f"torchloom.load: checkpoint {bad.path!r} (step {bad.step}) is damaged "
                         f"({why}); loading {ckpt.path!r} (step {ckpt.step}) instead",
                         stacklevel=2)
+                if set_aside and os.path.dirname(ckpt.path) == path:
+                    names = {b.name for b, _ in damaged} | set(_unusable_steps(path))
+                    names.discard(ckpt.name)
+                    moved = _set_aside(path, sorted(names))
+                    if moved:
+                        warnings.warn(
+                            f"torchloom.load: in {path!r}, set aside the damaged "
+                            + ", ".join(f"{old!r} as {new!r}" for old, new in moved)
+                            + " (kept for inspection; delete them when done), so that the "
+                            "run's saves can write those steps again", stacklevel=2)
             return dataclasses.replace(ckpt, verified=True)
         damaged.append((ckpt, problem))
     bad, why = damaged[0]
@@ -1185,8 +1368,72 @@ def _mismatch(problem: str, values: dict[str, Any], fix: str) -> CheckpointMisma
     return CheckpointMismatchError(problem, primitive="load", values=values, fix=fix)
 
 
+def _short_shape(shape: tuple[Any, ...] | None) -> Any:
+    """A shape read from a file, as is when short, else cut to text (errors stay short)."""
+    if shape is None or (len(shape) <= 8 and all(_is_int(d) and d < 10**12 for d in shape)):
+        return shape
+    return _clip_text(str(shape), 60)
+
+
 def _shorten(items: list[Any], n: int = 6) -> list[Any]:
     return items if len(items) <= n else items[:n] + [f"... {len(items) - n} more"]
+
+
+def _stored_bytes(metadata: Any, files: dict[str, Any], path: str) -> dict[str, int]:
+    """The bytes the checkpoint's files hold for each key of ``metadata``; raises if the
+    metadata places a piece outside the file its marker sizes (DCP would read that many
+    bytes)."""
+    out: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        size = files.get(getattr(info, "relative_path", None), {}).get("bytes", 0)
+        if not (_is_int(offset) and _is_int(length) and 0 <= offset
+                and 0 <= length <= size - offset):
+            raise CheckpointIOError(
+                "the DCP metadata places a piece outside its file",
+                primitive="load",
+                values={"path": path, "key": _clip_text(str(getattr(index, "fqn", "?")), 120),
+                        "offset": offset if _is_int(offset) else _clip(offset),
+                        "length": length if _is_int(length) else _clip(length),
+                        "file_bytes": size},
+                fix="the checkpoint is damaged or was not written by torchloom.save; load an "
+                "earlier one")
+        fqn = str(getattr(index, "fqn", ""))
+        out[fqn] = out.get(fqn, 0) + length
+    return out
+
+
+def _check_state_size(key: str, md: Any, name: str, param: torch.Tensor, stored: int,
+                      path: str) -> None:
+    """Refuse an optimizer state whose shape in the DCP metadata cannot be the state of
+    ``param`` (checked before anything is allocated for it): a scalar, the parameter's
+    full shape, or a smaller (factored) state, and never more elements than the files
+    hold bytes for."""
+    shape = tuple(md.size)
+    expected = _expected_full(param)
+    itemsize = md.properties.dtype.itemsize if isinstance(
+        getattr(getattr(md, "properties", None), "dtype", None), torch.dtype) else 0
+    valid = all(_is_int(dim) and dim >= 0 for dim in shape)
+    numel = math.prod(shape) if valid else -1
+    limit = math.prod(expected)
+    problem = None
+    if not valid or itemsize == 0:
+        problem = "its shape or dtype in the DCP metadata is not a tensor's"
+    elif shape not in ((), expected) and numel > limit:
+        problem = (f"it claims {numel} elements, more than its parameter {_clip(name)} has "
+                   f"({limit})")
+    elif numel * itemsize > stored:
+        problem = (f"it claims {numel * itemsize} bytes, and the checkpoint's files hold "
+                   f"{stored} bytes of it")
+    if problem is None:
+        return
+    raise _mismatch(
+        f"optimizer state {_clip(key, 120)} does not fit its parameter: {problem}",
+        {"path": path, "key": _clip_text(key, 120),
+         "checkpoint_shape": _short_shape(shape), "parameter_shape": expected},
+        "the checkpoint's '.metadata' is damaged or forged; load an earlier checkpoint: "
+        "load(model, optimizer, save_dir, step=...), or load the model alone: "
+        "load(model, None, path)")
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -1239,12 +1486,13 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             primitive="load", values={"path": path},
             fix="the checkpoint is damaged or was not written by torchloom.save; load an "
             "earlier one") from exc
-    unlisted = sorted(str(p) for p in stored if p not in marker["files"])
+    unlisted = sorted(_clip(p) for p in stored if p not in marker["files"])
     if unlisted:
         raise CheckpointIOError(
             "the DCP metadata names files that the marker has no checksum of",
             primitive="load", values={"path": path, "files": _shorten(unlisted)},
             fix="the checkpoint was not written by torchloom.save; do not load it")
+    stored_bytes = _stored_bytes(full_metadata, marker["files"], path)
 
     def saved_shape(key: str) -> tuple[int, ...] | None:
         md = metadata.get(key)
@@ -1256,7 +1504,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     # a pipeline rank holds some stages: the other stages' keys are not unexpected
     whole = getattr(model, "all_state_dict_keys", None)
     known = set(whole()) if callable(whole) else model_state
-    unexpected = [k for k in saved_keys if k not in known]
+    unexpected = [_clip_text(k, 80) for k in saved_keys if k not in known]
     if missing or unexpected:
         raise _mismatch(
             "the checkpoint holds another model: its keys differ from the model's",
@@ -1264,8 +1512,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
              "unexpected_keys": _shorten(unexpected)},
             "load it into the model it was saved from (same architecture and config), or "
             "load it into that model and copy the matching tensors over")
-    wrong = [(k, saved_shape(_MODEL + k), _expected_full(t)) for k, t in model_state.items()
-             if saved_shape(_MODEL + k) != _expected_full(t)]
+    wrong = [(k, _short_shape(saved_shape(_MODEL + k)), _expected_full(t))
+             for k, t in model_state.items() if saved_shape(_MODEL + k) != _expected_full(t)]
     if wrong:
         raise _mismatch(
             "full shapes differ between the checkpoint and the model",
@@ -1303,16 +1551,18 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         if now != then:
             raise _mismatch(
                 "the optimizer's parameter groups differ from the checkpoint's",
-                {"path": path, "optimizer_groups": [_shorten(g, 3) for g in now],
-                 "checkpoint_groups": [_shorten(g, 3) for g in then]},
+                {"path": path, "optimizer_groups": _shorten([_shorten(g, 3) for g in now]),
+                 "checkpoint_groups": _shorten([_shorten([_clip_text(n, 80) for n in g], 3)
+                                                for g in then])},
                 "make the optimizer with the same parameter groups, in the same order, as "
                 "the one that was saved")
         if marker["optimizer_class"] != type(optimizer).__name__:
+            saved_class = _clip_text(str(marker["optimizer_class"]), 80)
             raise _mismatch(
                 "the checkpoint holds the state of another optimizer class",
-                {"path": path, "checkpoint": marker["optimizer_class"],
+                {"path": path, "checkpoint": saved_class,
                  "optimizer": type(optimizer).__name__},
-                f"load it into a {marker['optimizer_class']} optimizer")
+                f"load it into a {saved_class} optimizer")
         index = 0
         for entries in params:
             for name, p in entries:
@@ -1321,9 +1571,12 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     md = metadata.get(full_key)
                     if not isinstance(md, TensorStorageMetadata):
                         raise CheckpointIOError(
-                            f"optimizer state {full_key!r} is listed but not stored",
-                            primitive="load", values={"path": path, "key": full_key},
+                            f"optimizer state {_clip(full_key)} is listed but not stored",
+                            primitive="load", values={"path": path,
+                                                      "key": _clip_text(full_key, 120)},
                             fix="the checkpoint is damaged; load an earlier one")
+                    _check_state_size(full_key, md, name, p, stored_bytes.get(full_key, 0),
+                                      path)
                     spec = shard_spec(p)
                     dtype = md.properties.dtype
                     if (spec is not None and spec.world_size > 1

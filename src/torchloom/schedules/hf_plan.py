@@ -46,6 +46,7 @@ from ..core.errors import TPPlanError as PlanError
 from ..core.marks import FOREIGN_IDS, pop_mark, set_mark, transfer_hooks
 from ..core.meta import get_meta, shard_spec
 from ..core.refs import schedule_safe
+from ..core.rules import even_cuts
 from ..core.schedule import Schedule
 from ..primitives._common import tied_names
 from ._common import SEQ_AXIS, finish_layers, takes, tp_divisors
@@ -1037,7 +1038,7 @@ def pipeline_stack(sch: Schedule, stages: int, stacks: list[str]) -> tuple[str, 
                     "layers": len(layers)},
             fix=f"pipeline_stages between 2 and {len(layers)} (1: no pipeline)"
             if len(layers) >= 2 else "pipeline_stages=1: one layer makes one stage")
-    cuts = [layers[round(k * len(layers) / stages) - 1] for k in range(1, stages)]
+    cuts = [layers[k] for k in even_cuts(len(layers), stages)]
     return named[0], [f"{named[0]}.{name}" for name in cuts]
 
 

@@ -9,6 +9,15 @@ Rows carry the study's fingerprint (:mod:`~torchloom.tune.fingerprint`: the mode
 space): a :class:`Database` bound to a fingerprint reads and writes only rows of that
 fingerprint, so rows of another model or space are never resumed.
 
+Each row also carries a digest: the SHA-256 of its full content (study, fingerprint,
+point, status, measured figures, error, recipe, seconds). A row whose figures were edited
+by hand (say, a throughput raised to make a layout look best) no longer matches it;
+:attr:`TrialRecord.intact` says so, and the tuner refuses to resume such a row
+(:class:`~torchloom.core.errors.TuneDatabaseError`). The digest has no key: whoever edits
+the file can compute it again. It catches edits by hand and damage, not a forger; what
+guards the reported best is that the tuner measures it again before reporting it when it
+comes from the file (:class:`~torchloom.tune.Tuner`, ``remeasure_best``).
+
 Statuses: ``"ok"`` (ran, throughput measured), ``"failed"`` (ran and raised, e.g. out of
 memory; throughput 0), ``"pruned"`` (the memory cost model said it cannot fit the budget;
 never run). Only ``ok`` and ``failed`` rows count as finished: a pruned row keeps its
@@ -32,6 +41,7 @@ naming the file and what is wrong; nothing in a row is ever run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -51,12 +61,13 @@ STATUSES = ("ok", "failed", "pruned")
 
 #: SQLite's ``PRAGMA application_id`` of a torchloom tuner database ("TLTU").
 APPLICATION_ID = 0x544C5455
-#: ``PRAGMA user_version``: the layout of the ``trials`` table (1 had no fingerprint).
-SCHEMA_VERSION = 2
+#: ``PRAGMA user_version``: the layout of the ``trials`` table (1 had no fingerprint, 2 no
+#: digest).
+SCHEMA_VERSION = 3
 
 _COLUMNS = ("study", "fingerprint", "key", "seq", "status", "throughput",
             "peak_memory_bytes", "predicted_memory_bytes", "error", "recipe", "seconds",
-            "created")
+            "created", "digest")
 _SCHEMA = """
 CREATE TABLE trials (
     study TEXT NOT NULL,
@@ -71,6 +82,7 @@ CREATE TABLE trials (
     recipe TEXT,
     seconds REAL NOT NULL,
     created REAL NOT NULL,
+    digest TEXT NOT NULL,
     PRIMARY KEY (study, fingerprint, key)
 )
 """
@@ -91,6 +103,8 @@ class TrialRecord:
         recipe: the candidate's recipe as JSON, when it could be serialised.
         seconds: time spent evaluating it.
         seq: the order in which the row was first written (set by the database).
+        intact: whether the row read matches its digest (False: edited after the tuner
+            wrote it; a :class:`~torchloom.tune.Tuner` refuses to resume it).
     """
 
     point: Point
@@ -102,6 +116,7 @@ class TrialRecord:
     recipe: str | None = None
     seconds: float = 0.0
     seq: int = field(default=-1)
+    intact: bool = field(default=True, compare=False, repr=False)
 
     @property
     def key(self) -> str:
@@ -174,6 +189,10 @@ class Database:
                     ours=True, schema=1)
             raise self._error("it is another program's SQLite database",
                               application_id=app_id, tables=tables[:8])
+        elif version == 2:
+            raise self._error(
+                "was written by an older torchloom (schema 2: rows without the digest of "
+                "their figures this torchloom checks)", ours=True, schema=2)
         elif version != SCHEMA_VERSION:
             raise self._error(f"is a torchloom tuner database of schema {version}; this "
                               f"torchloom reads schema {SCHEMA_VERSION}", ours=True,
@@ -207,6 +226,11 @@ class Database:
         if record.status not in STATUSES:
             raise ValueError(f"unknown status {record.status!r}")
         fingerprint = self.fingerprint or ""
+        peak = None if record.peak_memory_bytes is None else int(record.peak_memory_bytes)
+        predicted = (None if record.predicted_memory_bytes is None
+                     else int(record.predicted_memory_bytes))
+        content = (self.study, fingerprint, record.key, record.status, float(record.throughput),
+                   peak, predicted, record.error, record.recipe, float(record.seconds))
         with self._conn:  # one transaction per trial: committed when this block ends
             row = self._conn.execute(
                 "SELECT seq FROM trials WHERE study = ? AND fingerprint = ? AND key = ?",
@@ -218,16 +242,13 @@ class Database:
             else:
                 seq = row[0]
             self._conn.execute(
-                "INSERT OR REPLACE INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.study, fingerprint, record.key, seq, record.status,
-                 float(record.throughput), record.peak_memory_bytes,
-                 record.predicted_memory_bytes, record.error, record.recipe,
-                 float(record.seconds), time.time()),
+                "INSERT OR REPLACE INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*content[:3], seq, *content[3:], time.time(), row_digest(*content)),
             )
         record.seq = seq
 
     _SELECT = ("SELECT key, status, throughput, peak_memory_bytes, predicted_memory_bytes, "
-               "error, recipe, seconds, seq FROM trials WHERE ")
+               "error, recipe, seconds, seq, study, fingerprint, digest FROM trials WHERE ")
 
     def load(self) -> list[TrialRecord]:
         """Every row of the study (and fingerprint), in the order first written.
@@ -251,14 +272,36 @@ class Database:
 
     def _record(self, row: tuple[Any, ...]) -> TrialRecord:
         try:
-            return _record(row)
+            record = _record(row[:9])
         except _BadRow as exc:
             raise TuneDatabaseError(
                 f"{self.path!r} holds a row the tuner never writes: {exc}",
                 primitive="tune.Database",
-                values={"path": self.path, "study": self.study, "seq": row[-1],
+                values={"path": self.path, "study": self.study, "seq": str(row[8])[:20],
                         "key": str(row[0])[:80]},
                 fix=_FIX) from None
+        study, fingerprint, digest = row[9:]
+        try:
+            record.intact = digest == row_digest(
+                study, fingerprint, record.key, record.status, record.throughput,
+                record.peak_memory_bytes, record.predicted_memory_bytes, record.error,
+                record.recipe, record.seconds)
+        except (TypeError, ValueError):  # a column of another type than the tuner writes
+            record.intact = False
+        return record
+
+    def edited_row_error(self, record: TrialRecord) -> TuneDatabaseError:
+        """The refusal of ``record``, a row that does not match its digest."""
+        return TuneDatabaseError(
+            f"{self.path!r} holds a row whose recorded figures do not match its digest: "
+            f"the row of point {record.key[:120]} was changed after the tuner wrote it",
+            primitive="tune.Database",
+            values={"path": self.path, "study": self.study, "seq": record.seq,
+                    "status": record.status, "throughput": record.throughput},
+            fix=f"delete that row and the tuner measures the point again: sqlite3 {self.path} "
+            f"\"DELETE FROM trials WHERE study = '{self.study}' AND fingerprint = "
+            f"'{self.fingerprint or ''}' AND seq = {record.seq}\"; or pass another results "
+            "file (--db new.db)")
 
 
 class _BadRow(Exception):
@@ -281,6 +324,17 @@ def check_database_path(path: str) -> None:
     raise TuneDatabaseError(f"the results file {path!r} {problem}", primitive="tune.Database",
                             values={"path": path},
                             fix="pass a file in an existing folder, e.g. --db torchloom-tune.db")
+
+
+def row_digest(study: str, fingerprint: str, key: str, status: str, throughput: float,
+               peak_memory_bytes: int | None, predicted_memory_bytes: int | None,
+               error: str | None, recipe: str | None, seconds: float) -> str:
+    """The hex SHA-256 of a row's content (everything but its order and time of writing),
+    as the tuner writes it; no key: it detects edits, it cannot prove who wrote a row."""
+    text = json.dumps([study, fingerprint, key, status, float(throughput), peak_memory_bytes,
+                       predicted_memory_bytes, error, recipe, float(seconds)],
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _number(value: Any, column: str, *, optional: bool = False, integer: bool = False) -> Any:

@@ -18,8 +18,17 @@ What it resumes, it checks: a study is keyed by the fingerprint of the model and
 and a stored row is used only if its recipe is, text for text, the recipe the schedule
 function records at its point now. A row that differs (the schedule function changed, or
 the row was edited by hand) is not resumed and not shown: its point runs again and the
-row is replaced (``TuneResult.discarded`` counts them). Nothing read from the file is run:
-the recipes evaluated are the ones the schedule function records in this process.
+row is replaced (``TuneResult.discarded`` counts them). A row whose recipe is the
+candidate's but whose figures do not match the digest the tuner stored with it (edited by
+hand, e.g. a raised throughput) is refused: :class:`~torchloom.core.errors.TuneDatabaseError`
+names it. Nothing read from the file is run: the recipes evaluated are the ones the
+schedule function records in this process.
+
+The digest has no secret key, so whoever can edit the file can recompute it. The
+guarantee is the re-measurement: when the best record comes from the file rather than
+from this run, ``evaluate`` runs it once more before it is reported; a figure that
+differs by more than ``remeasure_tolerance`` is reported as measured now (with a warning
+and in :attr:`TuneResult.notes`), its row is replaced, and the best is chosen again.
 
 >>> import torch, torchloom as tl
 >>> from torch import nn
@@ -44,6 +53,7 @@ sch[''].checkpoint(ratio=0.0)
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +92,9 @@ class TuneResult:
         trusted_refs: the functions and classes the candidates of this run hold, by
             reference text (what :attr:`best_recipe` may resolve besides torch, torchloom
             and transformers module classes).
+        remeasured: how many best records read from the database were evaluated again
+            before being reported (not counted in ``evaluations``).
+        notes: what the re-measurements found when a stored figure did not hold.
     """
 
     best: TrialRecord | None
@@ -91,6 +104,8 @@ class TuneResult:
     seconds: float = 0.0
     discarded: int = 0
     trusted_refs: dict[str, Any] = field(default_factory=dict)
+    remeasured: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def best_recipe(self) -> Recipe | None:
@@ -126,6 +141,10 @@ class Tuner:
         prefilter: predict every point before running any, so all pruned points are known
             (and recorded) up front.
         on_trial: called as ``on_trial(record, resumed)`` after each trial is known.
+        remeasure_best: evaluate the best record once more before reporting it when it
+            was read from the database (not measured in this run).
+        remeasure_tolerance: the relative difference between the stored and the new
+            throughput above which the stored figure is not believed.
 
     Attributes:
         fingerprint: the study's fingerprint (the model built by ``make_model`` and the
@@ -133,7 +152,9 @@ class Tuner:
 
     Raises:
         TuneError: ``db`` is a :class:`Database` bound to another fingerprint.
-        TuneDatabaseError: ``db`` is a file that is not a torchloom tuner database.
+        TuneDatabaseError: ``db`` is a file that is not a torchloom tuner database (and,
+            from :meth:`run` / :meth:`trial`, a stored row of this schedule whose figures do
+            not match its digest).
     """
 
     def __init__(
@@ -149,6 +170,8 @@ class Tuner:
         study: str = "default",
         prefilter: bool = True,
         on_trial: Callable[[TrialRecord, bool], None] | None = None,
+        remeasure_best: bool = True,
+        remeasure_tolerance: float = 0.2,
     ) -> None:
         self.space = space
         self.make_model = make_model
@@ -171,6 +194,17 @@ class Tuner:
             self.db = Database(db or ":memory:", study, fingerprint=self.fingerprint)
         self.prefilter = prefilter
         self.on_trial = on_trial
+        if not 0 <= remeasure_tolerance:
+            raise TuneError(
+                f"remeasure_tolerance must be a non-negative fraction, not "
+                f"{remeasure_tolerance!r}", primitive="Tuner",
+                values={"remeasure_tolerance": remeasure_tolerance},
+                fix="Tuner(..., remeasure_tolerance=0.2)")
+        self.remeasure_best = remeasure_best
+        self.remeasure_tolerance = float(remeasure_tolerance)
+        self.remeasured = 0
+        self.notes: list[str] = []
+        self._measured: set[str] = set()  # keys evaluated in this process
         self._records: dict[str, TrialRecord] = {r.key: r for r in self.db.load()}
         self._stored = set(self._records)  # keys read from the database, not yet checked
         self._candidates: dict[str, Recipe] = {}
@@ -228,6 +262,8 @@ class Tuner:
         if record is None or key not in self._stored:
             return record
         if record.recipe == self._candidate(point).to_json(indent=None):
+            if not record.intact:  # this schedule's row, its figures edited
+                raise self.db.edited_row_error(record)
             self._stored.discard(key)
             self._resumable.add(key)
             return record
@@ -309,7 +345,12 @@ class Tuner:
             if known is None or known.status != "pruned":
                 known = self._prune_record(point, predicted, recipe or self._candidate(point))
             return self._publish(known, resumed=key in self._resumable)
-        recipe = recipe or self._candidate(point)
+        record = self._measure(point, recipe or self._candidate(point), predicted)
+        self.evaluations += 1
+        return self._publish(record, resumed=False)
+
+    def _measure(self, point: Point, recipe: Recipe, predicted: int | None) -> TrialRecord:
+        """Evaluate ``point`` and record the outcome (in the database, at once)."""
         start = time.perf_counter()
         try:
             result = self.evaluate(recipe, point)
@@ -317,7 +358,6 @@ class Tuner:
             raise
         except Exception as exc:  # noqa: BLE001 - the candidate failed; the search goes on
             result = Result(0.0, None, ok=False, error=describe_exception(exc))
-        self.evaluations += 1
         record = TrialRecord(
             point=point, status="ok" if result.ok else "failed",
             throughput=float(result.throughput) if result.ok else 0.0,
@@ -325,8 +365,33 @@ class Tuner:
             error=result.error, recipe=recipe.to_json(indent=None),
             seconds=time.perf_counter() - start)
         self.db.save(record)
-        self._records[key] = record
-        return self._publish(record, resumed=False)
+        self._records[record.key] = record
+        self._measured.add(record.key)
+        return record
+
+    def _best(self) -> TrialRecord | None:
+        """The ``ok`` record of the highest throughput; one read from the database is
+        measured again first (and, if its figure does not hold, the next is taken)."""
+        while True:
+            ok = [r for r in self._used.values() if r.status == "ok"]
+            best = max(ok, key=lambda r: r.throughput) if ok else None
+            if best is None or not self.remeasure_best or best.key in self._measured:
+                return best
+            fresh = self._measure(best.point, self._candidate(best.point),
+                                  best.predicted_memory_bytes)
+            self.remeasured += 1
+            self._used[best.key] = fresh
+            scale = max(best.throughput, fresh.throughput)
+            if fresh.status == "ok" and abs(fresh.throughput - best.throughput) \
+                    <= self.remeasure_tolerance * scale:
+                continue  # confirmed: reported with this run's figure
+            now = (f"{fresh.throughput:.6g}" if fresh.status == "ok"
+                   else f"a failure ({fresh.error})")
+            note = (f"the stored best {best.point} (throughput {best.throughput:.6g} in "
+                    f"{self.db.path}) measured {now} when run again; the row now holds "
+                    "the new measurement and the best was chosen again")
+            self.notes.append(note)
+            warnings.warn(f"torchloom.tune: {note}", stacklevel=3)
 
     def prune_all(self) -> list[TrialRecord]:
         """Predict every point of the space that has no finished trial, and record those
@@ -352,12 +417,12 @@ class Tuner:
         if self.prefilter:
             self.prune_all()
         strategy.search(self.space, self.trial)
+        best = self._best()
         records = sorted(self._used.values(), key=lambda r: r.seq)
-        ok = [r for r in records if r.status == "ok"]
-        best = max(ok, key=lambda r: r.throughput) if ok else None
         return TuneResult(best=best, records=records, evaluations=self.evaluations,
                           resumed=self.resumed, seconds=time.perf_counter() - start,
-                          discarded=self.discarded, trusted_refs=dict(self._trusted_refs))
+                          discarded=self.discarded, trusted_refs=dict(self._trusted_refs),
+                          remeasured=self.remeasured, notes=list(self.notes))
 
 
 def tune(
