@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchloom as tl
-from tests import tiny
+from tests import pipeline_models, tiny
 from tests.tiny import llama
 from torchloom.runtime.pipeline import check_schedule
 from torchloom.runtime.pipeline_split import cut_paths, split_stages
@@ -117,3 +117,116 @@ def test_schedule_check_finds_a_deadlock():
     bad = {0: [_Action(0, F, 0), _Action(0, B, 0)], 1: [_Action(1, B, 0), _Action(1, F, 0)]}
     with pytest.raises(tl.BuildError, match="the pipeline schedule does not validate"):
         check_schedule(_FakeSchedule(bad), 2, 2, 1)
+
+
+def _chain(stages, inputs: tuple) -> torch.Tensor:
+    value = inputs
+    for module in stages.modules:
+        value = module(*value) if isinstance(value, tuple) else module(value)
+    return value
+
+
+@pytest.mark.parametrize(("name", "make", "levels", "cut", "nano"), [
+    ("nanogpt", pipeline_models.nano_gpt, "transformer.h.*", "transformer.h.1", True),
+    ("nanogpt-transposed", lambda: pipeline_models.nano_gpt(transposed=True),
+     "transformer.h.*", "transformer.h.1", True),
+    ("encoder-layers", pipeline_models.encoder_lm, "encoder.layers.*", "encoder.layers.1",
+     False),
+    ("encoder-attention", pipeline_models.encoder_lm, "encoder.layers.1.self_attn",
+     "encoder.layers.1.self_attn", False),
+    ("gpt-neo", pipeline_models.gpt_neo, "transformer.h.*", "transformer.h.1", False),
+])
+def test_cuts_after_any_module_whatever_it_returns(name, make, levels, cut, nano):
+    model = make()
+    reference = copy.deepcopy(model)
+    ids = _ids()
+    inputs = (ids, ids) if nano else (ids,)
+    sch = tl.create_schedule(model)
+    sch.trace_until(levels, example_inputs=inputs)
+    sch[cut].cut_pipeline_stage()
+    stages = split_stages(sch, inputs)
+    assert len(stages.modules) == 2
+    out = reference(*inputs)
+    want = out[0] if nano else getattr(out, "logits", out)
+    # (GPT-Neo's traced graph itself differs from its eager forward by rounding, ~1e-7)
+    torch.testing.assert_close(_chain(stages, inputs), want, rtol=0, atol=1e-6, msg=name)
+    # what crosses is contiguous, and its metadata (dtype included) is the stage's
+    sent = stages.modules[0](*inputs)
+    assert all(t.is_contiguous() for t in sent), name
+    assert stages.metas is not None
+    assert [(tuple(t.shape), t.dtype) for t in stages.metas[0][1]] == \
+        [(tuple(t.shape), t.dtype) for t in sent]
+    assert stages.metas[0][1] == stages.metas[1][0]
+    if nano:  # the integer targets cross as they are (int64), without a gradient
+        assert sent[-1].dtype == torch.int64 and torch.equal(sent[-1], ids)
+        assert not stages.metas[1][0][-1].requires_grad
+    if name == "gpt-neo":  # the block's (hidden, attn_weights): only what stage 1 uses
+        assert len(stages.inputs[1]) == 2  # the hidden states and the causal mask
+    if name == "encoder-layers":  # a gradient comes back for the activation, not the mask
+        assert stages.inputs[1] == ["encoder_layers_1", "_canonical_mask_1"]
+        assert [t.requires_grad for t in stages.metas[1][0]] == [True, False]
+
+
+def test_a_tuple_of_a_tensor_and_none_is_carried_as_its_tensor_and_a_constant():
+    class Pair(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x), None, [x * 2, 3]
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Pair(), Pair()
+
+        def forward(self, x):
+            h, nothing, (twice, three) = self.a(x)
+            out = self.b(h + twice * three)
+            assert out[1] is nothing
+            return out[0] + out[2][0]
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 4)
+    want = model(x)
+    sch = tl.create_schedule(model)
+    sch.trace(example_inputs=(x,))
+    sch["a"].cut_pipeline_stage()
+    stages = split_stages(sch, (x,))
+    assert len(stages.inputs[1]) == 2  # the two tensors; None and 3 are constants
+    assert torch.equal(_chain(stages, (x,)), want)
+
+
+def test_a_container_that_is_not_a_tuple_list_or_dict_is_refused():
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def values(self):
+            return [self.t]
+
+    class Boxing(torch.nn.Module):
+        def forward(self, x):
+            return Box(x + 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.lin = Boxing(), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(self.a(x).t)
+
+    sch = tl.create_schedule(Model())
+    sch.trace(example_inputs=(torch.randn(2, 4),), leaf_modules=["Boxing"])
+    sch["a"].cut_pipeline_stage()
+    with pytest.raises(tl.BuildError) as err:
+        split_stages(sch, (torch.randn(2, 4),))
+    assert str(err.value) == (
+        "sch['a'].build(...): a Box with tensors (a) crosses into stage 1; tensors, and "
+        "tuples, lists and dicts of them, can be sent between stages, other containers "
+        "cannot\n    values: value='a', type='Box'\n    fix: cut after a module that "
+        "returns tensors or a tuple of them (e.g. a whole layer), or make the module "
+        "return a tuple")

@@ -176,7 +176,7 @@ def test_a_config_file_trains_from_random_init_and_flags_override_a_toml_file(
     output = cli("--config", str(toml), "--steps", "2", "--threads", "1", "--no-progress")
     steps = _lines(LINE, output)
     assert sorted(steps) == [1, 2], output  # --steps 2 beat the file's 9
-    assert "config file, random init" in output and "(bytes)" in output
+    assert "parameters (random init);" in output and "(bytes)" in output
     # a random init predicts about uniformly: ln(256)
     assert abs(float(steps[1]) - math.log(256)) < 0.3, steps
 
@@ -280,3 +280,37 @@ def test_a_pipeline_with_data_parallelism_checkpoints_and_resumes(workspace, tmp
         assert abs(record[key] - both[step][key]) < 1e-5, (step, record, both[step])
         if step > 0:  # the norm over both stages (and replicas) equals one process's
             assert abs(record["grad_norm"] - both[step]["grad_norm"]) < 1e-5 * record["grad_norm"]
+
+
+def test_a_folder_missing_a_tensor_is_refused_unless_allow_missing_and_the_banner_says_so(
+        workspace, cli, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=256, max_position_embeddings=64))
+    whole, headless, bare = tmp_path / "neox", tmp_path / "headless", tmp_path / "bare"
+    for folder in (whole, headless):
+        neox.save_pretrained(folder)
+    neox.config.save_pretrained(bare)  # a config.json only: random init
+    tensors = load_file(headless / "model.safetensors")
+    del tensors["embed_out.weight"]  # the head, under the name save_pretrained gives it
+    save_file(tensors, headless / "model.safetensors", metadata={"format": "pt"})
+    args = ["--data", str(workspace / "corpus"), "--steps", "1", "--batch-size", "2",
+            "--seq-len", "16", "--threads", "1", "--no-progress"]
+
+    output = cli("--model", str(whole), *args)
+    assert f"parameters (weights: {whole} (" in output and " tensors));" in output, output
+    assert "parameters (random init);" in cli("--model", str(bare), *args)
+
+    result = CliRunner().invoke(app, ["train", "--model", str(headless), *args])
+    assert result.exit_code == 2, result.output
+    assert ("1 tensor(s) of the model are not in the checkpoint: ['lm_head.weight'] "
+            "(strict=True, the default)") in result.output, result.output
+    assert "file='model.safetensors'" in result.output
+    assert "--allow-missing" in result.output
+    assert "step " not in result.output  # nothing trained
+    with pytest.warns(UserWarning, match=r"\['lm_head\.weight'\]"):
+        output = cli("--model", str(headless), *args, "--allow-missing")
+    assert sorted(_lines(LINE, output)) == [1], output

@@ -224,3 +224,24 @@ def test_timeout_reaches_the_launcher_and_torchrun(cli, monkeypatch):
     code, output = cli("--timeout", "9")
     assert code == 0, output
     assert seen["group"] == ("cpu", 9.0)  # gloo for --device cpu, even where CUDA exists
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_saves_again(cli, finished_run,
+                                                                           tmp_path):
+    import shutil
+
+    save_dir = tmp_path / "copy"
+    shutil.copytree(finished_run, save_dir)
+    shard = save_dir / "step-3" / "__0_0.distcp"  # a symbolic link inside step-3
+    (tmp_path / "elsewhere.distcp").write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere.distcp")
+    with pytest.warns(UserWarning, match=r"set aside the damaged 'step-3' as "
+                      r"'\.damaged-step-3-[0-9a-f]{12}'"):
+        code, output = cli("--save-dir", str(save_dir), "--resume")
+    assert code == 0, output  # it died at the save of step 3 before
+    assert re.search(r"trained steps 3\.\.3", output), output
+    names = sorted(os.listdir(save_dir))
+    assert names[1:] == ["step-2", "step-3", S.DIR_MARKER], names
+    assert re.fullmatch(r"\.damaged-step-3-[0-9a-f]{12}", names[0])
+    assert S.find_checkpoint(save_dir).step == 3

@@ -183,21 +183,26 @@ def _drop(folder: str, key: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def test_missing_tensors_are_initialised_with_a_warning_or_refused_when_strict(tmp_path):
+def test_missing_tensors_are_refused_by_default_or_initialised_with_strict_false(tmp_path):
     folder = saved(tmp_path, transformers.GPT2LMHeadModel, gpt2_cfg())
     _drop(folder, "transformer.h.1.mlp.c_fc.weight")
     ref = transformers.GPT2LMHeadModel.from_pretrained(folder)
-    model = meta_from(folder)
-    with pytest.raises(CheckpointMismatchError,
-                       match=r"(?s)1 tensor\(s\) of the model are not in the checkpoint.*"
-                       r"transformer\.h\.1\.mlp\.c_fc\.weight.*fix: "):
-        tl.build(tl.create_schedule(model), weights=folder, strict=True)
-    assert model.transformer.h[1].mlp.c_fc.weight.is_meta  # nothing was made
+    for strict in ({}, {"strict": True}):  # the default is strict
+        model = meta_from(folder)
+        with pytest.raises(CheckpointMismatchError) as err:
+            tl.build(tl.create_schedule(model), weights=folder, **strict)
+        assert str(err.value).startswith(
+            "build(...): 1 tensor(s) of the model are not in the checkpoint: "
+            "['transformer.h.1.mlp.c_fc.weight'] (strict=True, the default)")
+        assert "file='model.safetensors'" in str(err.value)
+        assert "pass strict=False to build / load_weights (torchloom train: " \
+            "--allow-missing)" in str(err.value)
+        assert model.transformer.h[1].mlp.c_fc.weight.is_meta  # nothing was made
     model = meta_from(folder)
     with pytest.warns(UserWarning, match=r"1 tensor\(s\) are not in .*: "
                       r"\['transformer\.h\.1\.mlp\.c_fc\.weight'\]; those that were on meta "
                       r"were initialised"):
-        tl.build(tl.create_schedule(model), weights=folder)
+        tl.build(tl.create_schedule(model), weights=folder, strict=False)
     w = model.transformer.h[1].mlp.c_fc.weight
     assert not w.is_meta and not torch.isnan(w).any() and 0.01 < w.std() < 0.03  # GPT-2 init
     state = model.state_dict()

@@ -39,3 +39,12 @@ def token_batch(seed: int = 1, batch: int = 2, seq: int = 16, vocab: int = 128) 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def gpt_neox(n_layer: int = 4) -> transformers.GPTNeoXForCausalLM:
+    """transformers' default GPT-NeoX config with only its sizes changed; its folder
+    (``save_pretrained``) stores the head as ``embed_out.weight``, not ``lm_head.weight``."""
+    torch.manual_seed(0)
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=128, max_position_embeddings=64))

@@ -61,7 +61,7 @@ def weights_of_another_shape(tmp_path: Path):
 
 def weights_missing_under_strict(tmp_path: Path):
     folder = _folder(tmp_path / "m", {"0.weight": torch.zeros(6, 4)})
-    tl.build(_meta_linear(), weights=folder, strict=True)
+    tl.build(_meta_linear(), weights=folder)  # strict by default
 
 
 def weights_index_with_a_file_outside(tmp_path: Path):
@@ -107,8 +107,9 @@ CASES: list[tuple[Callable, type, str]] = [
      r"    values: key='0\.weight', file='model\.safetensors', checkpoint_shape=\(6, 5\), "
      r"model_shape=\(6, 4\)\n    fix: load a checkpoint with the model's configuration"),
     (weights_missing_under_strict, CheckpointMismatchError,
-     r"1 tensor\(s\) of the model are not in the checkpoint \(strict=True\).*"
-     r"missing_keys=\['0\.bias'\].*fix: .*strict=False"),
+     r"1 tensor\(s\) of the model are not in the checkpoint: \['0\.bias'\] \(strict=True, "
+     r"the default\)\n    values: missing_keys=\['0\.bias'\], path='.*', "
+     r"file='model\.safetensors'\n    fix: .*strict=False"),
     (weights_index_with_a_file_outside, CheckpointIOError,
      r"model\.safetensors\.index\.json names a file outside the folder.*"
      r"file='\.\./\.\./x\.safetensors'.*fix: "),

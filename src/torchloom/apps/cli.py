@@ -47,6 +47,7 @@ from rich.table import Table
 
 from ..core import __version__
 from ..core.errors import CliOptionError
+from ..core.rules import checkpointed_count
 from ..core.schedule import Schedule, create_schedule
 from ..core.show import rich_tree
 from ..primitives import list_primitives
@@ -209,7 +210,7 @@ def demo(
                     f"{sum(last) / len(last):.3f}")
     summary.add_row("throughput", f"{steps * tokens_per_step / elapsed:,.0f} tokens/s")
     # checkpoint(ratio=r) on a list of n layers checkpoints the first floor(r * n)
-    summary.add_row("checkpointed layers", f"{math.floor(ckpt_ratio * layers)} of {layers}")
+    summary.add_row("checkpointed layers", f"{checkpointed_count(ckpt_ratio, layers)} of {layers}")
     console.print(summary)
 
 
@@ -473,6 +474,10 @@ def train(
     allow_config_change: bool = typer.Option(
         False, "--allow-config-change",
         help="With --resume: continue although the checkpoint's run configuration differs."),
+    allow_missing: bool = typer.Option(
+        False, "--allow-missing",
+        help="A model folder whose weight files lack some of the model's tensors: "
+        "initialise those at random (by default an error naming them)."),
     stop_after: int = typer.Option(None, help="Stop (and save) after this step; the "
                                    "learning-rate schedule stays that of --steps."),
     save_pretrained: str = typer.Option(None, help="At the end, write the trained model (and "

@@ -136,6 +136,9 @@ class TrainConfig:
     resume: bool = False
     allow_config_change: bool = False
     """Resume even if the checkpoint was saved by a run with another configuration."""
+    allow_missing: bool = False
+    """A folder model: initialise at random the tensors the folder's weight files lack
+    (by default they are an error naming the key and the file)."""
     stop_after: int | None = None
     """Stop after this step (and save), keeping the learning-rate schedule of ``steps``:
     for jobs that run in slices of a time limit."""
@@ -233,7 +236,8 @@ _INTS = {  # name: (lowest allowed, what it is, example)
 }
 _CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES}
 _PATHS = ("save_dir", "save_pretrained", "metrics", "tensorboard")
-_BOOLS = ("sequence_parallel", "resume", "allow_config_change", "deterministic", "progress")
+_BOOLS = ("sequence_parallel", "resume", "allow_config_change", "allow_missing",
+          "deterministic", "progress")
 
 
 def _validate(c: TrainConfig) -> None:

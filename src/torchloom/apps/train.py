@@ -66,11 +66,14 @@ from ..runtime.build import build
 from ..runtime.collectives import guard_collective
 from ..runtime.loop import lr_at, train_step
 from ..runtime.materialise import init_empty_weights
+from ..runtime.model_check import check_config_sizes, check_fits, format_bytes
 from ..runtime.rng import get_rng_tracker, set_random_seed
 from ..runtime.state import (
     CheckpointIOError,
     CheckpointMismatchError,
+    _writable_problem,
     check_save_dir,
+    check_writable,
     describe_dir,
     find_checkpoint,
     list_checkpoints,
@@ -116,14 +119,17 @@ class Corpus:
     tokenizer: str | None
     """The folder whose tokenizer made the tokens (None: bytes)."""
     description: str
+    largest: int | None = None
+    """The largest token id, when known without reading the tokens again (``--data``)."""
 
 
 def load_data(cfg: TrainConfig) -> Corpus:
     """The run's tokens (cached per process; see :mod:`torchloom.apps.data`)."""
     folder = cfg.model if cfg.model_kind == "folder" and data.has_tokenizer(cfg.model) else None
+    largest = None
     if cfg.data:
-        tokens = data.token_stream(tuple(cfg.data), folder)
-        files = len(data.text_files(cfg.data))
+        info = data.token_info(tuple(cfg.data), folder)
+        tokens, largest, files = info.tokens, info.largest, info.files
         what = f"{files} file{'s' if files != 1 else ''}"
     else:
         folder = None
@@ -137,7 +143,7 @@ def load_data(cfg: TrainConfig) -> Corpus:
     else:
         train, held_out = tokens, None
         text = f"{what}: {tokens.numel():,} {unit}"
-    return Corpus(train, held_out, folder, text)
+    return Corpus(train, held_out, folder, text, largest)
 
 
 def _eval_count(cfg: TrainConfig, corpus: Corpus) -> int:
@@ -163,9 +169,12 @@ def _check_data(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
             f"{need:,}", primitive=_PRIMITIVE,
             values={"eval_fraction": cfg.eval_fraction, "held_out": corpus.held_out.numel()},
             fix="raise --eval-fraction, add text, or lower --batch-size / --seq-len")
-    largest = int(corpus.train.max()) if corpus.train.numel() else 0
-    if corpus.held_out is not None and corpus.held_out.numel():
-        largest = max(largest, int(corpus.held_out.max()))
+    if corpus.largest is not None:  # --data: recorded while the token file was written
+        largest = max(corpus.largest, 0)
+    else:
+        largest = int(corpus.train.max()) if corpus.train.numel() else 0
+        if corpus.held_out is not None and corpus.held_out.numel():
+            largest = max(largest, int(corpus.held_out.max()))
     if largest >= vocab_size:
         source = "the model folder's tokenizer" if corpus.tokenizer else "bytes"
         raise data.DataError(
@@ -184,8 +193,8 @@ def _hf_config(cfg: TrainConfig) -> Any:
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True,
-                                                       trust_remote_code=False)
+        config = transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True,
+                                                         trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - a user's file
         raise TrainOptionError(
             f"--model {cfg.model!r}: the config does not load: {type(exc).__name__}: "
@@ -193,6 +202,9 @@ def _hf_config(cfg: TrainConfig) -> Any:
             values={"model": cfg.model},
             fix="pass a folder written by save_pretrained, or a config.json of a "
             "transformers model (model_type set)") from None
+    source = os.path.join(cfg.model, "config.json") if cfg.model_kind == "folder" else cfg.model
+    check_config_sizes(config, source=source, primitive=_PRIMITIVE)
+    return config
 
 
 def _from_config(cfg: TrainConfig, config: Any) -> nn.Module:
@@ -226,7 +238,8 @@ def make_model(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, str |
     """The model to schedule, and the weights folder ``build`` reads (None: initialise).
 
     A zoo model is real (initialised from ``seed``) and on ``device``; a folder or config
-    model is on ``meta`` except its buffers, which are moved to ``device``."""
+    model is on ``meta`` except its buffers, which are moved to ``device``. A folder with
+    no weight files (a ``config.json`` only) is initialised at random, as a config file."""
     if cfg.model_kind == "zoo":
         model = zoo.make_model(cfg.model, cfg.size, seed=cfg.seed,
                                **_positions(cfg.model, cfg.size, cfg.seq_len))
@@ -236,7 +249,30 @@ def make_model(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, str |
         for name, buffer in module._buffers.items():
             if buffer is not None and not buffer.is_meta and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
-    return model, cfg.model if cfg.model_kind == "folder" else None
+    return model, weights_folder(cfg)
+
+
+def weights_folder(cfg: TrainConfig) -> str | None:
+    """The folder ``build`` reads the weights from: ``--model`` when it is a folder holding
+    weight files, else None (random initialisation)."""
+    from ..runtime.weights import weight_listing
+
+    if cfg.model_kind == "folder" and weight_listing(cfg.model) is not None:
+        return cfg.model
+    return None
+
+
+def weights_source(cfg: TrainConfig) -> str:
+    """Where the run's weights come from, for the banner: ``"weights: FOLDER (N tensors)"``
+    or ``"random init"`` (a zoo model, a config, a folder without weight files)."""
+    folder = weights_folder(cfg)
+    if folder is None:
+        return "random init"
+    from ..runtime.weights import open_weights
+
+    with open_weights(folder, _PRIMITIVE) as source:
+        count = len(source.files)
+    return f"weights: {folder} ({count} tensors)"
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -326,7 +362,8 @@ def _text_models() -> list[str]:
 def check_config(cfg: TrainConfig) -> None:
     """What can be checked before any rank starts, after the options themselves
     (:class:`TrainConfig` checked those): the model takes tokens and has a config that
-    loads, the sequence fits its positions, the pipeline splits its layers, the data holds
+    loads with positive sizes and fits this machine's memory for the layout
+    (:func:`_check_memory`), the sequence fits its positions, the pipeline splits its layers, the data holds
     enough tokens of the model's vocabulary, the device exists, the outputs may be
     written, and ``--resume`` has something to resume (or a run without it would not
     write over another run's checkpoints). Reads files only; raises a
@@ -342,10 +379,13 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.model_kind == "zoo":
         _positions(cfg.model, cfg.size, cfg.seq_len)
     else:
-        _hf_positions(cfg, _hf_config(cfg))
+        config = _hf_config(cfg)  # its sizes are positive integers
+        _hf_positions(cfg, config)
+    _check_device(cfg)
+    if cfg.model_kind != "zoo":
+        _check_memory(cfg, config)  # before meta_model, which allocates its buffers
     model = meta_model(cfg)
     _check_model(cfg, model)
-    _check_device(cfg)
     _check_data(cfg, load_data(cfg), int(model.get_input_embeddings().num_embeddings))
     _check_outputs(cfg)
     if cfg.save_dir:
@@ -375,6 +415,43 @@ def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
             f"{count} layers do not split evenly into {cfg.pp} stages",
             primitive=_PRIMITIVE, values={"layers": count, "pp": cfg.pp},
             fix=f"use --pp dividing {count}")
+
+
+ADAMW_COPIES = 4
+"""Copies of the parameters a training rank keeps: the weights, their gradients and
+AdamW's two states (all of the parameters' dtype): the steady part of the planner's
+per-rank memory, activations left out (so the estimate is a lower bound)."""
+
+
+def _check_memory(cfg: TrainConfig, config: Any) -> None:
+    """The run's parameters, gradients and AdamW states per rank (divided by the layout's
+    sharding: tp, pp, and dp under FSDP) fit the memory available now: on --device cpu
+    times the ranks on this machine, against ``MemAvailable``; on cuda against the free
+    memory of this rank's GPU. Counted on a model made entirely on the meta device
+    (nothing allocated); a folder or config model only (a zoo model's sizes are fixed)."""
+    with torch.device("meta"):
+        model = _from_config(cfg, config)
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    shards = cfg.tp * cfg.pp * (cfg.dp if cfg.dp_mode == "fsdp" else 1)
+    per_rank = ADAMW_COPIES * total // shards
+    if cfg.device == "cpu":
+        local, device = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or cfg.world, "cpu"
+    else:
+        local, device = 1, f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}"
+    check_fits(per_rank * local, device, primitive=_PRIMITIVE,
+               what=f"training {cfg.model} ({format_bytes(total)} of parameters; weights, "
+               f"gradients and AdamW states: {format_bytes(per_rank)} per rank, "
+               f"{local} rank{'s' if local != 1 else ''} on this device)",
+               values={"model": cfg.model, "parameters": count_parameters(model),
+                       "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "dp_mode": cfg.dp_mode},
+               fix="train a smaller config (hidden size, layers, vocabulary), shard it over "
+               "more machines (torchrun --nnodes with --tp / --pp / --dp-mode fsdp), or "
+               "estimate a layout first: torchloom plan")
 
 
 def _check_device(cfg: TrainConfig) -> None:
@@ -427,6 +504,12 @@ def _check_outputs(cfg: TrainConfig) -> None:
                 primitive=_PRIMITIVE, values=problem.values,
                 fix="--save-pretrained runs/exported (a new or empty folder, or one holding "
                 "only a previous save_pretrained output)")
+        unwritable = _writable_problem(os.path.normpath(cfg.save_pretrained))
+        if unwritable is not None:  # a read-only disk fails now, not after the training
+            raise TrainOptionError(
+                f"--save-pretrained {cfg.save_pretrained!r} cannot be written: {unwritable}",
+                primitive=_PRIMITIVE, values={"save_pretrained": cfg.save_pretrained},
+                fix="--save-pretrained /scratch/exported (a folder on a writable file system)")
 
 
 def _stage_dirs(cfg: TrainConfig) -> list[str]:
@@ -459,6 +542,7 @@ def _check_save_dir(cfg: TrainConfig) -> None:
                 fix=f"pass a new or empty directory: --save-dir {cfg.save_dir}-pp")
     for folder in _stage_dirs(cfg):
         check_save_dir(folder, _PRIMITIVE)
+    check_writable(cfg.save_dir, _PRIMITIVE)  # a read-only disk fails now, not at a save
     steps = _common_steps(cfg)
     newest = list_checkpoints(_stage_dirs(cfg)[0])
     if cfg.resume and not steps:
@@ -737,6 +821,7 @@ class _Run:
         steps = _common_steps(cfg) if cfg.pp > 1 else []
         folder = _stage_dirs(cfg)[self.pp_rank]
         ckpt = find_checkpoint(folder, step=steps[0] if steps else None, group=self.tp_group,
+                               set_aside=self.dp_rank == 0,
                                primitive=_PRIMITIVE)
         if not cfg.allow_config_change:
             _compare(ckpt.config, config, ckpt.name, cfg.save_dir)
@@ -772,8 +857,7 @@ class _Run:
     def start_record(self, recipe: str) -> dict[str, Any]:
         cfg = self.cfg
         name = f"{cfg.model} ({cfg.size})" if cfg.model_kind == "zoo" else cfg.model
-        source = {"zoo": "zoo, random init", "folder": "weights of the folder",
-                  "config": "config file, random init"}[cfg.model_kind]
+        source = weights_source(cfg)
         whole = meta_model(cfg)
         return {"kind": "start", "model": name, "class": type(whole).__name__,
                 "source": source, "parameters": count_parameters(whole),
@@ -802,7 +886,7 @@ class _Run:
             torch.manual_seed(cfg.seed)  # random init of a config model is the seed's
         target = "ddp" if cfg.dp > 1 and not self.fsdp else None
         built, _ = build(sch, target=target, mesh=self.mesh, device=self.device,
-                         weights=weights)
+                         weights=weights, strict=not cfg.allow_missing)
         if self.fsdp:
             built = _fully_shard(built, self.mesh, self.bf16)
         params = list(built.parameters())
@@ -826,7 +910,8 @@ class _Run:
             torch.manual_seed(cfg.seed)
         pipe, _ = build(sch, target="pipeline", mesh=self.mesh, schedule="1F1B",
                         n_microbatches=cfg.n_microbatches, loss_fn=next_token_loss,
-                        example_inputs=(micro,), device=self.device, weights=weights)
+                        example_inputs=(micro,), device=self.device, weights=weights,
+                        strict=not cfg.allow_missing)
         tied = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
         return pipe, pipe, list(pipe.parameters()), tied
 

@@ -63,8 +63,14 @@ def _traced_class(original: type) -> type:
         if cls is None:
             bases = (TracedGraphModule,) if original in (nn.Module, TracedGraphModule) or \
                 issubclass(original, fx.GraphModule) else (TracedGraphModule, original)
-            cls = type(f"Traced{original.__name__}", bases,
-                       {"traced_from": original, "__module__": __name__})
+            namespace: dict[str, Any] = {"traced_from": original, "__module__": __name__}
+            custom = getattr(original, "is_custom_code", None)
+            if bases[-1] is original and callable(custom):
+                # transformers tells its own models from custom code by the class's
+                # module; a traced model is still the library's model (its key renames,
+                # e.g. GPT-NeoX's embed_out -> lm_head, and its init rules apply)
+                namespace["is_custom_code"] = classmethod(lambda _cls: custom())
+            cls = type(f"Traced{original.__name__}", bases, namespace)
             _TRACED_CLASSES[original] = cls
     return cls
 

@@ -58,6 +58,16 @@ _FACTORIES = (
     "rand", "randn", "randint", "finfo", "iinfo", "scalar_tensor",
 )
 
+#: torch's own helpers that inspect their arguments' types (``isinstance(x, Tensor)``),
+#: which a proxy fails: called with traced arguments they become nodes, so that torch.nn
+#: modules such as ``nn.TransformerEncoder`` can be traced into (their layers stay leaves)
+_OPAQUE_HELPERS = (
+    ("torch.nn.functional", "_canonical_mask"),
+    ("torch.nn.functional", "_none_or_dtype"),
+    ("torch.nn.modules.transformer", "_get_seq_len"),
+    ("torch.nn.modules.transformer", "_detect_is_causal_mask"),
+)
+
 
 class _Tracer(fx.Tracer):
     """fx tracer whose proxies carry example values (when it has them)."""
@@ -466,12 +476,20 @@ def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
 @contextmanager
 def _patched_factories(tracer: _Tracer) -> Iterator[None]:
     """While tracing, torch factory functions called with traced arguments become nodes."""
-    saved = {}
-    for name in _FACTORIES:
-        original = getattr(torch, name, None)
+    import importlib
+
+    saved: dict[tuple[Any, str], Any] = {}
+    places = [(torch, name) for name in _FACTORIES]
+    for module_name, name in _OPAQUE_HELPERS:
+        try:
+            places.append((importlib.import_module(module_name), name))
+        except ImportError:  # pragma: no cover - every supported torch has them
+            continue
+    for owner, name in places:
+        original = getattr(owner, name, None)
         if original is None:
             continue
-        saved[name] = original
+        saved[owner, name] = original
 
         def wrapper(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
             found = []
@@ -481,9 +499,9 @@ def _patched_factories(tracer: _Tracer) -> Iterator[None]:
                 return tracer.create_proxy("call_function", __original, args, kwargs)
             return __original(*args, **kwargs)
 
-        setattr(torch, name, wrapper)
+        setattr(owner, name, wrapper)
     try:
         yield
     finally:
-        for name, original in saved.items():
-            setattr(torch, name, original)
+        for (owner, name), original in saved.items():
+            setattr(owner, name, original)

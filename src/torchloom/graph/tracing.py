@@ -141,6 +141,8 @@ def trace_module(
     concrete_args: dict[str, Any] | None = None,
     expand: Callable[[str], bool] | None = None,
     must_trace: Sequence[str] = (),
+    descend: Sequence[str] = (),
+    must_call: Sequence[str] = (),
 ) -> TracedGraphModule:
     """Trace ``module``: it becomes, in place, a :class:`TracedGraphModule` (returned).
 
@@ -162,6 +164,12 @@ def trace_module(
             child is traced into its own graph (default: all) or kept opaque.
         must_trace: paths (absolute) that must end up traced; if one does not, a
             TraceError is raised and nothing is changed.
+        descend: paths (absolute) of modules traced into although they are leaves by
+            default: torch.nn modules that hold others, such as an ``nn.TransformerEncoder``
+            on the way to its ``layers`` (:func:`is_leaf`).
+        must_call: paths (absolute) that must be called as ``call_module`` nodes of a
+            traced graph (leaves kept opaque, e.g. an ``nn.TransformerEncoderLayer``); as
+            ``must_trace``.
 
     Raises:
         TraceError: naming the path of the module that failed and why.
@@ -190,9 +198,13 @@ def trace_module(
     installs: list[tuple[nn.Module, str, nn.Module, TracedGraphModule, str]] = []
     with TRACE_LOCK:
         gm = _trace_tree(module, path, example, leaves, flatten, concrete_args, expand,
-                         installs, fake_mode)
+                         installs, fake_mode, frozenset(descend))
     reached = {path} | {install[4] for install in installs}
+    graphs = [(path, gm.graph)] + [(install[4], install[3].graph) for install in installs]
+    called = {join_path(where, node.target) for where, graph in graphs
+              for node in graph.nodes if node.op == "call_module"}
     missing = [p for p in must_trace if p not in reached]
+    missing += [p for p in must_call if p not in called and p not in reached]
     if missing:
         raise TraceError(
             "these levels were not reached: the module never calls them, or they are "
@@ -233,7 +245,8 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
                 flatten: bool, concrete_args: dict[str, Any] | None,
                 expand: Callable[[str], bool] | None,
                 installs: list[tuple[nn.Module, str, nn.Module, TracedGraphModule, str]],
-                fake_mode: Any = None) -> TracedGraphModule:
+                fake_mode: Any = None, descend: frozenset[str] = frozenset()
+                ) -> TracedGraphModule:
     def relative_leaf(m: nn.Module, qualified: str) -> bool:
         full = join_path(path, qualified)
         if is_leaf(m, full, leaves) or qualified in leaves:
@@ -253,7 +266,8 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
             target = node.target
             child = module.get_submodule(target)
             child_path = join_path(path, target)
-            if is_leaf(child, child_path, leaves) or target in leaves or is_traced(child):
+            if (is_leaf(child, child_path, leaves) and child_path not in descend) or \
+                    target in leaves or is_traced(child):
                 continue
             if expand is not None and not expand(child_path):
                 continue
@@ -263,7 +277,7 @@ def _trace_tree(module: nn.Module, path: str, example: Any, leaves: tuple[str, .
                 continue  # a child called twice is traced once (for its first call)
             child_example = tracer.calls.get(target) if tracer.with_values else None
             traced = _trace_tree(child, child_path, child_example, leaves, False, None, expand,
-                                 installs, fake_mode)
+                                 installs, fake_mode, descend)
             children.append((target, child, traced))
     tracer.values.clear()
     tracer.calls.clear()

@@ -1,8 +1,11 @@
 """``trace_until(paths)``: trace from this node down to the given levels.
 
 Every module on the way from this node (usually the root) to each path in ``paths`` is
-traced into its own nested graph, and so is the module at each path; the children of those
-levels, and every module off the way, stay opaque ``call_module`` nodes. This is how the
+traced into its own nested graph (torch.nn modules too, such as an ``nn.TransformerEncoder``
+on the way to its ``layers``), and so is the module at each path, unless it is a torch.nn
+leaf (an ``nn.TransformerEncoderLayer``: it stays one ``call_module`` node, enough to cut
+a stage after it); the children of those levels, and every module off the way, stay
+opaque ``call_module`` nodes. This is how the
 levels where pipeline stages are cut are prepared: the graph of each level's parent shows
 the level as one node. ``paths`` are relative to this node and may use wildcards
 (``"transformer.h.*"``). Options are those of ``trace`` (``flatten`` is not one: the
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..core.errors import TraceError
 from ..core.registry import primitive
 from ..graph.examples import example_inputs_for
-from ..graph.graph_module import _is_container, is_traced
+from ..graph.graph_module import _is_container, _own_forward, is_leaf, is_traced
 from ..graph.tracing import trace_module
 from .trace import check_options, install_traced
 
@@ -87,9 +90,21 @@ def apply(
 
     if example_inputs is None and tracer == "auto":
         example_inputs = example_inputs_for(sch.root.mod, sch.mod, sch.path)
-    must = [n.path for n in levels if not is_traced(n.mod) and not _is_container(n.mod)]
+    # torch.nn modules on the way (an nn.TransformerEncoder holding its layers) are
+    # traced into; a level that is a torch.nn leaf (an nn.TransformerEncoderLayer) stays
+    # one call_module node, enough to cut a pipeline stage after it
+    way = {p[:i] for p in level_paths for i in range(len(p)) if p[i] == "."}
+    way = {p for p in way if p.startswith(sch.path + ".") or not sch.path}
+    must: list[str] = []
+    must_call: list[str] = []
+    for n in levels:
+        if is_traced(n.mod) or _is_container(n.mod):
+            continue
+        builtin_leaf = not _own_forward(n.mod) and is_leaf(n.mod, n.path, leaves)
+        (must_call if builtin_leaf else must).append(n.path)
     traced = trace_module(
         sch.mod, path=sch.path, example_inputs=example_inputs, leaf_modules=leaves,
         tracer=tracer, concrete_args=concrete_args, expand=expand, must_trace=must,
+        descend=sorted(way), must_call=must_call,
     )
     install_traced(sch, traced)

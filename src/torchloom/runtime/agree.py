@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ScheduleMismatchError
+from ..core.meta import shard_spec
 from .collectives import guard_collective
 
 if TYPE_CHECKING:
@@ -107,16 +108,35 @@ def _text(value: Any, depth: int = 0) -> str:
 _SCALARS = (bool, int, float, str, type(None))
 
 
+def _rank_free(module: nn.Module) -> bool:
+    """Whether ``module``'s printed form and attributes are the same on every rank that
+    configured it the same way: torch's and transformers' layers whose own tensors are
+    whole. torchloom's own ops, and layers with a sharded tensor, print and hold their
+    rank's slice (a vocabulary-parallel embedding's rows, a localised ``padding_idx``);
+    their shapes are compared instead."""
+    if type(module).__module__.startswith("torchloom."):
+        return False
+    return not any(t is not None and shard_spec(t) is not None
+                   for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _layer_text(module: nn.Module) -> str:
+    extra = module.extra_repr() if _rank_free(module) else ""
+    return f"{type(module).__qualname__}({extra}) {'train' if module.training else 'eval'}"
+
+
 def _module_config(module: nn.Module) -> str:
-    """What configures a module passed to a primitive: its printed form (every layer's
-    ``extra_repr``: a ``Dropout``'s ``p``, a ``Linear``'s sizes), the public scalar
-    attributes of it and its sub-modules, the training flags, and a transformers config."""
-    parts = [repr(module).replace("\n", " ")]
+    """What configures a module passed to a primitive, the same on every rank that made
+    it the same way: each layer's class and ``extra_repr`` (a ``Dropout``'s ``p``, a
+    ``Linear``'s sizes), the public scalar attributes, the training flags, and a
+    transformers config (torchloom's own ops by class only: they hold their rank's slice)."""
+    parts = []
     for name, sub in module.named_modules():
-        attrs = {k: v for k, v in vars(sub).items() if not k.startswith("_") and (
+        attrs = {k: v for k, v in vars(sub).items() if _rank_free(sub) and
+                 not k.startswith("_") and (
             isinstance(v, _SCALARS) or (isinstance(v, tuple)
                                         and all(isinstance(x, _SCALARS) for x in v)))}
-        parts.append(f"{name or '.'}: {sorted(attrs.items())!r}")
+        parts.append(f"{name or '.'}: {_layer_text(sub)} {sorted(attrs.items())!r}")
         config = getattr(sub, "config", None)
         to_dict = getattr(config, "to_dict", None)
         if callable(to_dict):
@@ -130,8 +150,7 @@ def _module_config(module: nn.Module) -> str:
 def module_lines(model: nn.Module) -> list[str]:
     """``"path: Type(extra_repr) train|eval"`` for every module: a replaced module's class
     and configuration (a ``Dropout``'s ``p``, a layer's sizes) as every rank must have it."""
-    return [f"{name or '.'}: {type(mod).__qualname__}({mod.extra_repr()}) "
-            f"{'train' if mod.training else 'eval'}" for name, mod in model.named_modules()]
+    return [f"{name or '.'}: {_layer_text(mod)}" for name, mod in model.named_modules()]
 
 
 def entry_text(entry: RecipeEntry) -> str:

@@ -177,7 +177,7 @@ def build(
     rebuild: bool = False,
     weights: str | os.PathLike | None = None,
     init: str = "full",
-    strict: bool = False,
+    strict: bool = True,
 ) -> tuple[Any, torch.optim.Optimizer | None]:
     """Materialise and return the scheduled model, and optionally its optimizer.
 
@@ -228,8 +228,10 @@ def build(
             ``weights_only=True``) or a torchloom checkpoint directory
             (:func:`torchloom.runtime.state.save`). Each rank reads only the slices it keeps, cast
             to the dtype of the model's tensor; what the files hold is never initialised
-            (no draws, no full-size scratch); what they lack is initialised as usual and
-            listed in one warning. Real tensors the files hold are overwritten. See
+            (no draws, no full-size scratch); a tensor they lack is an error (see
+            ``strict``). A folder with no weight files at all (a config only) is not
+            a ``weights`` folder: build without ``weights`` to initialise at random.
+            Real tensors the files hold are overwritten. See
             :mod:`torchloom.runtime.weights` (key renames as transformers' ``from_pretrained``).
             With ``target="pipeline"`` and a model with ``meta`` tensors, the model is
             split first (on fake values) and each rank reads and materialises only the
@@ -241,8 +243,11 @@ def build(
             slicing; ``"local"``: each rank draws only its own slices,
             from a per-shard stream: faster, the same
             distribution, not the same values.
-        strict: with ``weights``, a tensor the files lack is a
-            :class:`~torchloom.runtime.state.CheckpointMismatchError` instead of a warning.
+        strict: with ``weights``, a tensor of the model that the files lack is a
+            :class:`~torchloom.runtime.state.CheckpointMismatchError` naming the key and
+            the folder's file (the default, on every layout: one process, TP, FSDP and
+            every pipeline rank, which checks the whole model); ``strict=False``
+            initialises it as usual and lists it in one warning.
 
     Returns:
         ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place; wrapped in
@@ -261,7 +266,8 @@ def build(
             materialised, with one small all-gather.
         CheckpointMismatchError: ``weights`` holds a tensor of another shape (the key, the
             file and both shapes are named), a fused tensor's parts only in part, a tensor
-            transformers would convert, or (``strict=True``) lacks a tensor of the model.
+            transformers would convert, or (unless ``strict=False``) lacks a tensor of
+            the model.
         CheckpointIOError: ``weights`` is not a weights folder or a file is unreadable.
 
     Warns:
@@ -316,6 +322,9 @@ def build(
             # read only this rank's stages from the files: split the (meta) model first
             keep = local_stage_tensors(sch, schedule=schedule, example_inputs=example_inputs,
                                        loss_fn=loss_fn, group=pp_group)
+    from .model_check import check_before_build
+
+    check_before_build(sch.mod, dev, keep)  # config sizes; this rank's tensors fit memory
     _materialise(sch, init_weights, dev, param_init_fn, init, weights, strict, keep)
     model = sch.mod
 

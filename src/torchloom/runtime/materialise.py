@@ -928,15 +928,18 @@ def _materialise(sch: Any, init_weights: Any, dev: torch.device,
                 plan = wts.WeightsPlan.for_module(model, source, primitive=PRIMITIVE)
                 for e in builder.entries:
                     t = by_id.get(id(e.orig))
-                    if t is None or not t.persistent or e.mode == _ELSEWHERE:
+                    if t is None or not t.persistent:
                         continue
-                    e.located = plan.locate(t, e.full_shape)
-                    if e.located is not None:
-                        covered.append(id(e.orig))
-                    else:
+                    # every rank checks the whole model (a pipeline rank too), so that
+                    # all ranks refuse a folder together
+                    located = plan.locate(t, e.full_shape)
+                    if located is None:
                         missing.append(e.name)
+                    elif e.mode != _ELSEWHERE:
+                        e.located = located
+                        covered.append(id(e.orig))
                 if strict:
-                    wts.refuse_missing(missing, path, PRIMITIVE)
+                    wts.refuse_missing(missing, path, PRIMITIVE, source, plan.unexpected)
             except BaseException:
                 source.close()
                 raise

@@ -421,7 +421,13 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     per_rank = stages_per_rank(schedule)
     mine = _my_stages(num_stages, schedule, group)
     dev = torch.device(device)
-    stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group) for k in mine]
+    # the shapes and dtypes of what crosses, from the split (the runtime would otherwise
+    # infer them by running each stage on uninitialised inputs: integer ids or targets
+    # crossing a cut would be garbage there)
+    metas = split.metas or [((), ())] * num_stages
+    stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group,
+                            input_args=metas[k][0] or None, output_args=metas[k][1] or None)
+              for k in mine]
     runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches,
                  loss_fn=loss_fn)
     simulated = check_schedule(runner, ranks, num_stages, n_microbatches)

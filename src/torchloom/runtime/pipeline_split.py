@@ -2,9 +2,10 @@
 run in :mod:`torchloom.runtime.pipeline`).
 
 The model is flattened along the way to the cuts, every node assigned to a stage, the
-values that cross a boundary found by liveness (non-tensor values are fixed to the example
-micro-batch's), and each stage is a GraphModule over the original modules; weights shared
-by stages are listed by tied_weights. A meta model splits the same way on fake tensors:
+values that cross a boundary found by liveness (tensors are sent, contiguous and with
+their dtype; tuples, lists and dicts of them are taken apart in the stage that makes them;
+non-tensor values are fixed to the example micro-batch's), and each stage is a GraphModule
+over the original modules; weights shared by stages are listed by tied_weights. A meta model splits the same way on fake tensors:
 docs/design/pipeline_split.md.
 
 >>> import torch
@@ -34,7 +35,7 @@ from torch import nn
 
 from ..core.errors import BuildError
 from ..core.marks import PIPELINE_CUT, has_mark
-from ..core.outputs import main_tensor
+from ..core.outputs import main_tensor, tensors_in
 from ..core.schedule import join_path
 from ..graph.examples import dummy_inputs
 from ..graph.fake import _tensors_on_meta, on_meta, value_mode
@@ -148,6 +149,12 @@ class Stages:
     """Per stage, the non-tensor values from earlier stages it uses as example constants."""
     cuts: list[str] = field(default_factory=list)
     flat: fx.GraphModule | None = None
+    metas: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None = None
+    """Per stage, ``(inputs, outputs)`` as ``meta`` tensors of the example micro-batch's
+    shapes and dtypes (``requires_grad`` on floating-point ones): what the stage receives
+    and sends, given to ``PipelineStage`` so that the pipelining runtime does not infer
+    them by running the stage on uninitialised inputs (integer token ids or targets
+    would then be garbage). None when the model inputs are not positional tensors."""
 
 
 class _Recorder(fx.Interpreter):
@@ -171,32 +178,109 @@ def _pack(*items: Any) -> tuple:
     return tuple(items)
 
 
-def _unpack_crossing_tuples(flat: fx.GraphModule, values: dict[fx.Node, Any],
-                            stage_of: dict[fx.Node, int]) -> bool:
-    """A tuple of tensors used by a later stage (Llama's rotary ``(cos, sin)``) cannot be
-    sent whole: take its items apart in its own stage and rebuild it where it is used."""
+def _pack_list(*items: Any) -> list:
+    return list(items)
+
+
+def _pack_as(kind: type, *items: Any) -> Any:
+    """A named tuple of ``kind`` from its items."""
+    return kind(*items)
+
+
+def _pack_dict(keys: tuple, *items: Any) -> dict:
+    return dict(zip(keys, items))
+
+
+#: node.meta key of the nodes that take a crossing container apart: the node whose value
+#: they unpack (they run in that node's stage, right after it)
+_UNPACKS = "torchloom_unpacks"
+
+
+def _carried(value: Any) -> bool:
+    """Whether ``value`` is a container the split carries item by item: a tuple (named
+    ones too), list or dict that holds a tensor somewhere inside."""
+    if isinstance(value, (tuple, list)):
+        items: Any = value
+    elif type(value) is dict:
+        items = value.values()
+    else:
+        return False
+    return any(isinstance(v, torch.Tensor) or _carried(v) for v in items)
+
+
+def _unpack(graph: fx.Graph, src: fx.Node, value: Any, origin: fx.Node, after: fx.Node,
+            values: dict[fx.Node, Any]) -> tuple[Any, fx.Node]:
+    """The tree ``(value, keys, items)`` of getitem nodes that take ``value`` (the value of
+    ``src``) apart, made after ``after`` and marked to run in ``origin``'s stage; and the
+    last node made."""
     import operator
 
+    keys = list(value) if isinstance(value, dict) else list(range(len(value)))
+    items: list[Any] = []
+    for key in keys:
+        with graph.inserting_after(after):
+            item = graph.call_function(operator.getitem, (src, key))
+        after = item
+        item.meta[_UNPACKS] = origin
+        values[item] = value[key]
+        if _carried(value[key]):
+            tree, after = _unpack(graph, item, value[key], origin, after, values)
+            items.append(tree)
+        else:
+            items.append(item)
+    return (value, keys, items), after
+
+
+def _repack(graph: fx.Graph, tree: Any, before: fx.Node, values: dict[fx.Node, Any]
+            ) -> fx.Node:
+    """A node rebuilding the container of ``tree`` (see :func:`_unpack`) before ``before``."""
+    if isinstance(tree, fx.Node):
+        return tree
+    value, keys, items = tree
+    args = tuple(_repack(graph, item, before, values) for item in items)
+    with graph.inserting_before(before):
+        if isinstance(value, dict):
+            made = graph.call_function(_pack_dict, (tuple(keys), *args))
+        elif isinstance(value, list):
+            made = graph.call_function(_pack_list, args)
+        elif type(value) is tuple:
+            made = graph.call_function(_pack, args)
+        else:  # a named tuple
+            made = graph.call_function(_pack_as, (type(value), *args))
+    values[made] = value
+    return made
+
+
+def _unpack_crossing_tuples(flat: fx.GraphModule, values: dict[fx.Node, Any],
+                            stage_of: dict[fx.Node, int]) -> bool:
+    """A container with tensors used by a later stage (a layer's ``(hidden, None)``,
+    Llama's rotary ``(cos, sin)``) cannot be sent whole: take it apart in its own stage
+    (the ``getitem`` nodes are marked to run there, also after a cut module) and rebuild
+    it where it is used (``outputs[0]`` there takes just that item). Its tensors cross the
+    boundary; its other items (None, sizes, flags) are constants of the example that both
+    stages agree on (checked at run time)."""
+    import operator
+
+    graph = flat.graph
     changed = False
-    for node in list(flat.graph.nodes):
+    for node in list(graph.nodes):
         value = values.get(node)
-        if not (isinstance(value, tuple) and value and
-                all(isinstance(v, torch.Tensor) for v in value)):
+        if not _carried(value):
             continue
         later = [u for u in node.users if stage_of.get(u, -1) > stage_of[node]]
         if not later:
             continue
-        with flat.graph.inserting_after(node):
-            items = []
-            for i in reversed(range(len(value))):
-                item = flat.graph.call_function(operator.getitem, (node, i))
-                values[item] = value[i]
-                items.insert(0, item)
+        tree, _ = _unpack(graph, node, value, node, node, values)
+        keys, items = tree[1], tree[2]
         for user in later:
-            with flat.graph.inserting_before(user):
-                packed = flat.graph.call_function(_pack, tuple(items))
-            values[packed] = value
-            user.replace_input_with(node, packed)
+            key = user.args[1] if len(user.args) == 2 else None
+            if user.op == "call_function" and user.target is operator.getitem and \
+                    user.args[0] is node and not isinstance(key, fx.Node) and key in keys:
+                user.replace_all_uses_with(_repack(graph, items[keys.index(key)], user,
+                                                   values))
+                graph.erase_node(user)
+            else:
+                user.replace_input_with(node, _repack(graph, tree, user, values))
         changed = True
     if changed:
         flat.recompile()
@@ -259,7 +343,8 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
         stage_of: dict[fx.Node, int] = {}
         stage, found = 0, []
         for node in flat.graph.nodes:
-            stage_of[node] = stage
+            origin = node.meta.get(_UNPACKS)
+            stage_of[node] = stage if origin is None else stage_of[origin]
             if node.op == "call_module" and node.target in cuts:
                 found.append(node.target)
                 stage += 1
@@ -308,13 +393,16 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
         live[k] = list(dict.fromkeys(wanted))
     for k in range(1, num_stages):
         for n in needs[k]:
-            if not crosses(n) and isinstance(values.get(n), (tuple, list)) and \
-                    any(isinstance(v, torch.Tensor) for v in values[n]):
+            value = values.get(n)
+            if not crosses(n) and tensors_in(value):
                 raise BuildError(
-                    f"a tuple with tensors ({n.name}) crosses into stage {k}; only tensors can "
-                    "be sent between stages",
-                    path=cuts[k - 1], primitive="build", values={"value": n.name},
-                    fix="cut after a module that returns a tensor (a whole layer)",
+                    f"a {type(value).__name__} with tensors ({n.name}) crosses into stage "
+                    f"{k}; tensors, and tuples, lists and dicts of them, can be sent between "
+                    "stages, other containers cannot",
+                    path=cuts[k - 1], primitive="build",
+                    values={"value": n.name, "type": type(value).__name__},
+                    fix="cut after a module that returns tensors or a tuple of them (e.g. "
+                    "a whole layer), or make the module return a tuple",
                 )
 
     modules, inputs, folded = [], [], []
@@ -359,7 +447,10 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
                 result = graph.call_function(tie_zero_grads, (result, *sent))
             graph.output(result)
         else:
-            outs = [env[n] if n in env else arg(n) for n in live[k + 1]]
+            # the pipelining runtime sends only contiguous tensors (a transposed or
+            # sliced activation is made contiguous here; a no-op for the others)
+            outs = [graph.call_method("contiguous", (env[n] if n in env else arg(n),))
+                    for n in live[k + 1]]
             if not PIPELINE_SENDS_NON_FLOAT:
                 outs = [graph.call_function(to_transport, (o,)) if is_non_float(values.get(n))
                         else o for n, o in zip(live[k + 1], outs)]
@@ -385,7 +476,102 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
             if all(s != k for s, _ in owners[id(param)]):
                 owners[id(param)].append((k, name))
     ties = [places for places in owners.values() if len(places) > 1]
-    return Stages(modules=modules, inputs=inputs, ties=ties, folded=folded, cuts=cuts, flat=flat)
+    metas = _stage_metas(flat, args, kwargs, live, values, output_node)
+    return Stages(modules=modules, inputs=inputs, ties=ties, folded=folded, cuts=cuts, flat=flat,
+                  metas=metas)
+
+
+_NO_GRAD_METHODS = frozenset({"detach", "detach_", "requires_grad_", "numel", "size", "dim"})
+
+
+def _needs_grad(flat: fx.GraphModule, values: dict[fx.Node, Any], args: tuple
+                ) -> set[fx.Node]:
+    """The nodes whose values carry a gradient in training: floating-point results of a
+    trainable parameter or input, through anything but ``detach`` (what the pipelining
+    runtime sends gradients back for). Errs towards a gradient: a gradient too many is
+    a zero sent back, one too few a silently frozen earlier stage."""
+    needs: set[fx.Node] = set()
+    positional = iter(args)
+    for node in flat.graph.nodes:
+        value = values.get(node)
+        floating = isinstance(value, torch.Tensor) and (value.is_floating_point() or
+                                                        value.is_complex())
+        if node.op == "placeholder":
+            given = next(positional, None)
+            grad = isinstance(given, torch.Tensor) and given.requires_grad
+        elif node.op == "get_attr":
+            try:
+                grad = bool(getattr(flat.get_parameter(str(node.target)), "requires_grad",
+                                    False))
+            except AttributeError:
+                grad = False  # a buffer or constant
+        elif node.op == "call_module":
+            module = flat.get_submodule(str(node.target))
+            grad = any(p.requires_grad for p in module.parameters()) or (
+                any(n in needs for n in node.all_input_nodes) and
+                _passes_grad(module, node, values, needs))
+        elif node.op == "call_method" and node.target in _NO_GRAD_METHODS:
+            grad = False
+        elif node.op == "call_function" and node.target is torch.detach:
+            grad = False
+        else:
+            grad = any(n in needs for n in node.all_input_nodes)
+        if grad and (floating or (not isinstance(value, torch.Tensor) and
+                                  (value is None or tensors_in(value)))):
+            needs.add(node)  # (a container with tensors, or unknown: its items may)
+    return needs
+
+
+def _passes_grad(module: nn.Module, node: fx.Node, values: dict[fx.Node, Any],
+                 needs: set[fx.Node]) -> bool:
+    """Whether the parameterless ``module`` called at ``node`` returns a value with a
+    gradient from its inputs that have one. torch.nn's do (activations, dropout); another
+    (a rotary embedding reading only its input's dtype) is run once on the example values,
+    the random state restored; if that fails: yes."""
+    if type(module).__module__.startswith("torch.nn"):
+        return True
+    if any(n in needs and not isinstance(values.get(n), torch.Tensor)
+           for n in node.all_input_nodes):
+        return True
+
+    def value(n: fx.Node) -> Any:
+        v = values.get(n)
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.detach()
+        return v.requires_grad_(True) if n in needs else v
+
+    devices = sorted({str(v.device) for v in values.values() if isinstance(v, torch.Tensor)
+                      and v.device.type == "cuda"})
+    try:
+        args, kwargs = fx.map_arg((node.args, node.kwargs), value)
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            out = module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - then assume a gradient (one too many is harmless)
+        return True
+    return any(t.requires_grad for t in tensors_in(out))
+
+
+def _stage_metas(flat: fx.GraphModule, args: tuple, kwargs: dict, live: list[list[fx.Node]],
+                 values: dict[fx.Node, Any], output_node: fx.Node
+                 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None:
+    """:attr:`Stages.metas` (see there); None where they cannot be given."""
+    if not PIPELINE_SENDS_NON_FLOAT or kwargs or \
+            not all(isinstance(a, torch.Tensor) for a in args):
+        return None  # (older torch sends non-float tensors as float: its own inference)
+    final = main_tensor(values.get(output_node))
+    if not isinstance(final, torch.Tensor):
+        return None
+    needs = _needs_grad(flat, values, args)
+
+    def meta(v: torch.Tensor, grad: bool) -> torch.Tensor:
+        t = torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+        return t.requires_grad_(grad and (v.is_floating_point() or v.is_complex()))
+
+    ins = [tuple(meta(a, a.requires_grad) for a in args)]
+    ins += [tuple(meta(values[n], n in needs) for n in live[k]) for k in range(1, len(live))]
+    outs = [ins[k + 1] for k in range(len(live) - 1)] + [(meta(final, True),)]
+    return list(zip(ins, outs))
 
 
 @dataclass(frozen=True)

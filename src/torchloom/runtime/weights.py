@@ -45,6 +45,7 @@ __all__ = [
     "WeightsPlan",
     "LoadReport",
     "open_weights",
+    "weight_listing",
     "is_torchloom_checkpoint",
     "model_keys",
     "load_weights",
@@ -60,6 +61,20 @@ _SAFE_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _all_finite(t: torch.Tensor, block: int = 1 << 24) -> bool:
+    """Whether ``t`` holds no NaN or infinity (contiguous: checked in blocks, no full-size
+    boolean temporary)."""
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        return all(bool(torch.isfinite(flat[i:i + block]).all())
+                   for i in range(0, flat.numel(), block))
+    return bool(torch.isfinite(t).all())
 
 
 def _short(items: list[Any], n: int = 6) -> list[Any]:
@@ -125,6 +140,23 @@ def _read_index(folder: str, index: str, primitive: str) -> dict[str, str]:
     return {k: _inside(folder, v, index, primitive) for k, v in weight_map.items()}
 
 
+def weight_listing(path: str | os.PathLike) -> str | None:
+    """The file of the folder ``path`` that lists its tensors (``model.safetensors.index.json``,
+    ``model.safetensors``, ``pytorch_model.bin.index.json`` or ``pytorch_model.bin``, in
+    that order of preference), or None: the folder holds no weight files (a config only,
+    whose model is initialised at random).
+
+    >>> import tempfile
+    >>> weight_listing(tempfile.mkdtemp()) is None
+    True
+    """
+    folder = os.fspath(path)
+    for name in (SAFE_INDEX, SAFE_FILE, BIN_INDEX, BIN_FILE):
+        if os.path.isfile(os.path.join(folder, name)):
+            return name
+    return None
+
+
 class WeightsSource:
     """An opened Hugging Face weights folder: the key of every stored tensor, its file,
     shape and dtype (read from the headers), and slice reads. Use as a context manager
@@ -143,17 +175,19 @@ class WeightsSource:
             raise _io_error("no weights folder at this path", {"path": folder},
                             "pass the folder that save_pretrained wrote (it holds "
                             "config.json and model.safetensors)", primitive)
-        if os.path.isfile(os.path.join(folder, SAFE_INDEX)):
+        #: the file that lists the folder's tensors (an index, or the one weights file)
+        self.listing = weight_listing(folder) or ""
+        if self.listing == SAFE_INDEX:
             self.kind = "safetensors"
             self.files = _read_index(folder, SAFE_INDEX, primitive)
-        elif os.path.isfile(os.path.join(folder, SAFE_FILE)):
+        elif self.listing == SAFE_FILE:
             self.kind = "safetensors"
             self.files = {}
             self._scan_safetensors(os.path.join(folder, SAFE_FILE), None)
-        elif os.path.isfile(os.path.join(folder, BIN_INDEX)):
+        elif self.listing == BIN_INDEX:
             self.kind = "bin"
             self.files = _read_index(folder, BIN_INDEX, primitive)
-        elif os.path.isfile(os.path.join(folder, BIN_FILE)):
+        elif self.listing == BIN_FILE:
             self.kind = "bin"
             full = os.path.join(folder, BIN_FILE)
             self.files = {k: full for k in self._bin(full)}
@@ -620,11 +654,39 @@ class WeightsPlan:
                         dest[c] = slice(off, off + width)
                     if axis is not None and axis != 0:
                         dest[axis] = slice(local + x - lo, local + y - lo)
-                    piece = self.source.read(ck, src)
+                    piece = self._piece(loc, out, ck, src)
                     data[tuple(dest)].copy_(piece.unsqueeze(0))
                     del piece
             if axis is not None:
                 local += hi - lo
+
+    def _piece(self, loc: Located, out: torch.Tensor, ck: str,
+               index: tuple[slice, ...]) -> torch.Tensor:
+        """``source.read(ck, index)``, checked: integer (or bool) data is never cast into a
+        floating tensor nor the reverse, and floating data holds no NaN or infinity."""
+        stored = self.source.dtypes.get(ck)
+        file = os.path.basename(self.source.files[ck])
+        if isinstance(stored, torch.dtype) and _is_float(stored) != _is_float(out.dtype):
+            raise _mismatch(
+                f"the checkpoint's {ck!r} holds {str(stored).removeprefix('torch.')} data "
+                f"and the model's {loc.model_key!r} is {str(out.dtype).removeprefix('torch.')}"
+                f": {'integer' if not _is_float(stored) else 'floating-point'} values are "
+                "not cast into a "
+                f"{'floating-point' if _is_float(out.dtype) else 'integer'} tensor",
+                {"key": loc.model_key, "checkpoint_key": ck, "file": file,
+                 "checkpoint_dtype": str(stored), "model_dtype": str(out.dtype),
+                 "path": self.source.path},
+                "the file does not hold this model's weights, or was converted wrongly: "
+                "write it again with save_pretrained from the trained model", self.primitive)
+        piece = self.source.read(ck, index)
+        if _is_float(piece.dtype) and not _all_finite(piece):
+            raise _io_error(
+                f"the checkpoint's {ck!r} holds NaN or infinite values",
+                {"key": loc.model_key, "checkpoint_key": ck, "file": file,
+                 "path": self.source.path},
+                "the weights are damaged (a diverged run saved them?): load an earlier "
+                "checkpoint, or write the folder again from a healthy model", self.primitive)
+        return piece
 
     def _check_shape(self, key: str, ck: str, shape: tuple[int, ...],
                      full_shape: tuple[int, ...]) -> None:
@@ -656,7 +718,7 @@ class WeightsPlan:
         data = out.detach()
         if spec is None:
             for (ck, shape), off in zip(loc.parts, offsets):
-                piece = self.source.read(ck, ())
+                piece = self._piece(loc, out, ck, ())
                 if len(loc.parts) == 1:
                     data.copy_(piece)
                 else:
@@ -676,13 +738,13 @@ class WeightsPlan:
                         if a >= b:
                             continue
                         a, b = a - off, b - off
-                    piece = self.source.read(ck, idx(spec.axis, a, b))
+                    piece = self._piece(loc, out, ck, idx(spec.axis, a, b))
                     dest = local + (a + (off if len(loc.parts) > 1 else 0) - lo)
                     data.narrow(spec.axis, dest, b - a).copy_(piece)
                     del piece
             else:
                 for (ck, shape), off in zip(loc.parts, offsets):
-                    piece = self.source.read(ck, idx(spec.axis, lo, hi))
+                    piece = self._piece(loc, out, ck, idx(spec.axis, lo, hi))
                     data.narrow(spec.axis, local, width).narrow(
                         loc.axis, off, shape[loc.axis]).copy_(piece)
                     del piece
@@ -703,23 +765,37 @@ class LoadReport:
 
 
 def warn_missing(missing: list[str], path: str, primitive: str) -> None:
-    """The one warning for tensors that the checkpoint lacks (they are initialised)."""
+    """The one warning for tensors that the checkpoint lacks (they are initialised);
+    only with ``strict=False`` (by default they are refused, :func:`refuse_missing`)."""
     if missing:
         warnings.warn(
             f"{primitive}: {len(missing)} tensor(s) are not in {path}: {_short(missing)}; "
             "those that were on meta were initialised by the model's init code, real ones "
-            "kept their values. fix: pass strict=True to make this an error, or load a "
-            "checkpoint that holds them",
+            "kept their values (strict=False). fix: leave strict at its default (True) to "
+            "make this an error, or load a checkpoint that holds them",
             UserWarning, stacklevel=3)
 
 
-def refuse_missing(missing: list[str], path: str, primitive: str) -> None:
+def refuse_missing(missing: list[str], path: str, primitive: str,
+                   source: WeightsSource | None = None,
+                   unmatched: list[str] | None = None) -> None:
+    """The error for tensors of the model that the folder lacks (``strict=True``, the
+    default): the keys, the file that lists the folder's tensors, and the folder's
+    tensors that matched no key of the model (often the missing ones under another name)."""
     if missing:
+        values: dict[str, Any] = {"missing_keys": _short(missing), "path": path}
+        if source is not None and source.listing:
+            values["file"] = source.listing
+        if unmatched:
+            values["unmatched_checkpoint_keys"] = _short(list(unmatched))
         raise _mismatch(
-            f"{len(missing)} tensor(s) of the model are not in the checkpoint (strict=True)",
-            {"missing_keys": _short(missing), "path": path},
-            "load a checkpoint of this model, or pass strict=False to initialise the "
-            "missing tensors with the model's init code", primitive)
+            f"{len(missing)} tensor(s) of the model are not in the checkpoint: "
+            f"{_short(missing, 3)} (strict=True, the default)",
+            values,
+            "load a folder saved from this model (build the model from the folder's "
+            "config: AutoConfig.from_pretrained(path)); to train those tensors from "
+            "random initialisation instead, pass strict=False to build / load_weights "
+            "(torchloom train: --allow-missing)", primitive)
 
 
 def _iter_slots(module: nn.Module, tensor: torch.Tensor) -> Iterator[tuple[nn.Module, str, bool]]:
@@ -733,16 +809,17 @@ def _iter_slots(module: nn.Module, tensor: torch.Tensor) -> Iterator[tuple[nn.Mo
 
 
 def load_weights(module: nn.Module, path: str | os.PathLike, *, prefix: str = "",
-                 root: nn.Module | None = None, strict: bool = False,
+                 root: nn.Module | None = None, strict: bool = True,
                  device: str | torch.device = "cpu") -> LoadReport:
     """Load the tensors of ``module`` (keys ``prefix`` + dotted name inside ``root``) from
     the Hugging Face folder ``path``, each rank reading only its slices.
 
     A real tensor is overwritten in place (same object); a ``meta`` tensor is replaced
     in every slot that holds it by a new tensor on ``device`` (same Parameter class,
-    ``requires_grad``, attributes, shard spec and tags). Tensors the checkpoint lacks are
-    left as they are and listed in :attr:`LoadReport.missing` (a warning; with
-    ``strict=True`` a :class:`CheckpointMismatchError`, raised before anything is read).
+    ``requires_grad``, attributes, shard spec and tags). A tensor the checkpoint lacks is
+    a :class:`CheckpointMismatchError` naming its key and the folder's file (raised before
+    anything is read); with ``strict=False`` it is left as it is, listed in
+    :attr:`LoadReport.missing` and in one warning.
     ``root``: the whole model ``module`` belongs to, for the key renaming rules (default
     ``module``). This is how a pipeline build can load one stage:
     ``load_weights(stage_module, path, prefix="transformer.h.2", root=model)``.
@@ -766,7 +843,8 @@ def load_weights(module: nn.Module, path: str | os.PathLike, *, prefix: str = ""
                 missing.append(t.keys[0])
         cut = len(prefix) + 1 if prefix else 0
         if strict:
-            refuse_missing([k[cut:] for k in missing], os.fspath(path), primitive)
+            refuse_missing([k[cut:] for k in missing], os.fspath(path), primitive, source,
+                           plan.unexpected)
         with torch.no_grad():
             for t, loc in todo:
                 spec = shard_spec(t.tensor)

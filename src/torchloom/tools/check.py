@@ -29,8 +29,9 @@ the fix:
    before a sync that gathers it again), or a row-parallel module whose whole bias is
    added after its output was reduce-scattered along the sequence, has no
    ``param_grad`` sync: each rank's gradient of those parameters covers its tokens only.
-   The sequence state follows module order through the tree (a block's ``fwd_pre``
-   gather makes its inside whole; its ``fwd_post`` syncs set what follows it);
+   The sequence state follows module order through the tree; a block whose ``fwd_pre``
+   gathers the sequence is whole inside, whatever the order of its children, and
+   leaves the sequence split when one of them reduce-scatters it;
 7. **packed projection split plainly**: in a traced module (``sch[path].trace()``), a
    column-parallel projection sharded with ``chunks=1`` whose output the graph splits
    into ``k`` equal parts along its features (``split(size, dim=-1)``, ``chunk(k)``: a
@@ -249,8 +250,15 @@ def _sequence_findings(node: Schedule, split: bool, report: CheckReport,
                 "this rank's tokens and nothing all-reduces it",
                 f"sch[{node.path!r}].sync('param_grad', 'all_reduce')"))
     state = inside
+    region = split and not inside  # a block that gathers the sequence: whole inside
+    leaves_split = False
     for child in node.child.values():
-        state = _sequence_findings(child, state, report, seen)
+        # inside a region every child sees the gathered sequence, whatever the module
+        # order (OLMo-2's q_norm is registered after o_proj); elsewhere module order
+        state = _sequence_findings(child, False if region else state, report, seen)
+        leaves_split = leaves_split or state
+    if region:
+        state = leaves_split
     return _after_syncs(module, "fwd_post", state)
 
 

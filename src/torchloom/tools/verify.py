@@ -260,6 +260,9 @@ class Verify:
             return self
         check_ranks_agree(self.sch, primitive="Verify")  # before weights are broadcast
         model = self.sch.mod
+        from ..runtime.model_check import check_model_sizes
+
+        check_model_sizes(model, primitive="Verify")
         from ..runtime.materialise import has_meta_tensors
 
         self._meta = has_meta_tensors(model)
@@ -427,6 +430,14 @@ class Verify:
         slots = [(m, slot, name, t) for m in model.modules()
                  for slot in (m._parameters, m._buffers) for name, t in slot.items()
                  if t is not None]
+        from ..runtime.model_check import check_fits, meta_bytes
+
+        check_fits(meta_bytes(self.reference) + meta_bytes(model), self.device,
+                   primitive="Verify", path=self.sch.path,
+                   what="materialising the reference and the scheduled model",
+                   values={"model": type(model).__name__},
+                   fix="verify a smaller config of the model (fewer layers, a smaller "
+                   "hidden size), or on a machine with more memory")
         try:
             materialise(self.reference, self.device, self.seed, self.weights, None)
             materialise(model, self.device, self.seed, self.weights, self.sch.group)
