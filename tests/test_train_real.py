@@ -177,6 +177,8 @@ def test_a_config_file_trains_from_random_init_and_flags_override_a_toml_file(
     steps = _lines(LINE, output)
     assert sorted(steps) == [1, 2], output  # --steps 2 beat the file's 9
     assert "parameters (random init);" in output and "(bytes)" in output
+    # the banner names the layout, the batch rule and where the schedule came from
+    assert "1 rank: one rank, 2 sequences a step; schedule: built-in schedule_llama" in output
     # a random init predicts about uniformly: ln(256)
     assert abs(float(steps[1]) - math.log(256)) < 0.3, steps
 
@@ -302,6 +304,8 @@ def test_a_folder_missing_a_tensor_is_refused_unless_allow_missing_and_the_banne
 
     output = cli("--model", str(whole), *args)
     assert f"parameters (weights: {whole} (" in output and " tensors));" in output, output
+    assert ("schedule: derived from transformers' tensor-parallel plan of "
+            "GPTNeoXForCausalLM") in output, output
     assert "parameters (random init);" in cli("--model", str(bare), *args)
 
     result = CliRunner().invoke(app, ["train", "--model", str(headless), *args])

@@ -334,7 +334,8 @@ class _Reporter:
         self.line(f"training {record['model']}: {record['class']}, "
                   f"{_count(record['parameters'])} parameters ({record['source']}); "
                   f"{record['data']}; {record['device']}, {record['dtype']}, "
-                  f"{_plural(record['ranks'], 'rank')}")
+                  f"{_plural(record['ranks'], 'rank')}: {record['layout']}; schedule: "
+                  f"{record['schedule']}")
         if self.show_bar:
             self.progress = Progress(
                 TextColumn("[bold blue]training"), BarColumn(), MofNCompleteColumn(),

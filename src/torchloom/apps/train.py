@@ -275,6 +275,49 @@ def weights_source(cfg: TrainConfig) -> str:
     return f"weights: {folder} ({count} tensors)"
 
 
+def layout_text(cfg: TrainConfig) -> str:
+    """How the run spreads a step, for the banner: the degrees and the batch rule.
+
+    >>> layout_text(TrainConfig(tp=2, sequence_parallel=True, dp=2, dp_mode="fsdp",
+    ...                         batch_size=8, grad_accum=2))
+    'tp2+sp x dp2 (fsdp), 8 sequences a step = 2 ranks x 2 micro-steps x 2'
+    >>> layout_text(TrainConfig(pp=2, batch_size=8))
+    'pp2 (1F1B, 4 micro-batches), 8 sequences a step'
+    """
+    parts = []
+    if cfg.tp > 1:
+        parts.append(f"tp{cfg.tp}{'+sp' if cfg.sequence_parallel else ''}")
+    if cfg.pp > 1:
+        parts.append(f"pp{cfg.pp} (1F1B, {cfg.n_microbatches} micro-batches)")
+    if cfg.dp > 1:
+        parts.append(f"dp{cfg.dp} ({cfg.dp_mode})")
+    text = " x ".join(parts) or "one rank"
+    text += f", {cfg.batch_size} sequences a step"
+    if cfg.pp == 1 and (cfg.dp > 1 or cfg.grad_accum > 1):
+        text += (f" = {_plural_text(cfg.dp, 'rank')} x {_plural_text(cfg.grad_accum, 'micro-step')}"
+                 f" x {cfg.micro_batch()}")
+    return text
+
+
+def _plural_text(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def schedule_source(model: nn.Module) -> str:
+    """Where the run's schedule comes from, for the banner: a built-in schedule, one derived
+    from transformers' tensor-parallel plan, or the automatic checkpoint/compile schedule of
+    the model's stacks of layers."""
+    try:
+        fn = schedules.schedule_for(model)
+    except ScheduleError:
+        return "no schedule (the model has no stack of layers)"
+    if fn is schedules.schedule_hf_plan:
+        return f"derived from transformers' tensor-parallel plan of {type(model).__name__}"
+    if fn is schedules.schedule_layers:
+        return "automatic (checkpoint and compile of the layer stacks)"
+    return f"built-in {fn.__name__}"
+
+
 def count_parameters(model: nn.Module) -> int:
     """Parameters of ``model`` (tied ones once; works on ``meta``)."""
     return sum(p.numel() for p in model.parameters())
@@ -297,12 +340,14 @@ def layer_lists(model: nn.Module, name: str | None = None) -> list[str]:
     return found
 
 
-def _has_builtin_schedule(model: nn.Module) -> bool:
+def _has_builtin_schedule(model: nn.Module, knob: str | None = None) -> bool:
+    """Whether ``model`` has a schedule (built-in, derived or automatic) that takes
+    ``knob`` (any schedule when None)."""
     try:
-        schedules.schedule_for(model)
+        fn = schedules.schedule_for(model)
     except ScheduleError:
         return False
-    return True
+    return knob is None or knob in getattr(fn, "knobs", (knob,))
 
 
 def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
@@ -393,7 +438,7 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
-    if cfg.tp > 1 and not _has_builtin_schedule(model):
+    if cfg.tp > 1 and not _has_builtin_schedule(model, "tp"):
         raise TrainOptionError(
             f"--tp {cfg.tp}: {type(model).__name__} has no built-in schedule and transformers "
             "declares no tensor-parallel plan for it",
@@ -862,7 +907,8 @@ class _Run:
         return {"kind": "start", "model": name, "class": type(whole).__name__,
                 "source": source, "parameters": count_parameters(whole),
                 "data": self.corpus.description, "device": str(self.device),
-                "dtype": cfg.dtype, "ranks": self.world, "recipe_lines": recipe.count("\n")}
+                "dtype": cfg.dtype, "ranks": self.world, "layout": layout_text(cfg),
+                "schedule": schedule_source(whole), "recipe_lines": recipe.count("\n")}
 
     def mfu_inputs(self) -> tuple[float | None, float]:
         if self.rank != 0:
