@@ -82,8 +82,8 @@ _log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BYTES", "READ_BYTES", "TEXT_CHARS", "VOCAB_SIZE", "DataError",
            "TokenInfo", "batches", "eval_windows", "has_tokenizer", "load_corpus",
-           "load_tokenizer", "source_files", "split", "text_files", "token_info",
-           "token_stream", "window_batch"]
+           "load_tokenizer", "rank_batches", "source_files", "split", "text_files",
+           "token_info", "token_stream", "window_batch"]
 
 VOCAB_SIZE = 256
 DEFAULT_MAX_BYTES = 4_000_000
@@ -463,6 +463,30 @@ def window_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int,
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
     return torch.stack([tokens[s:s + seq_len] for s in starts.tolist()]).long()
+
+
+def rank_batches(tokens: torch.Tensor, step: int, *, batch_size: int, seq_len: int,
+                 seed: int, dp: int = 1, dp_rank: int = 0,
+                 grad_accum: int = 1) -> list[torch.Tensor]:
+    """The micro-batches data-parallel rank ``dp_rank`` of ``dp`` trains on at ``step``
+    (1-based), exactly as ``torchloom train`` draws them, to check a baseline against:
+    the step's ``batch_size`` windows (:func:`window_batch` of the training tokens), this
+    rank's ``batch_size / dp`` consecutive rows of them, cut into ``grad_accum`` equal
+    micro-batches. A pipeline takes the rank's rows whole (its micro-batches are the
+    pipeline's). Labels are the ids themselves (the model shifts them).
+
+    >>> tokens = torch.arange(1000, dtype=torch.uint8)
+    >>> parts = rank_batches(tokens, 1, batch_size=8, seq_len=4, seed=0, dp=2, dp_rank=1,
+    ...                      grad_accum=2)
+    >>> [tuple(p.shape) for p in parts]
+    [(2, 4), (2, 4)]
+    >>> whole = window_batch(tokens, 1, 8, 4, 0)
+    >>> torch.equal(torch.cat(parts), whole[4:8])
+    True
+    """
+    ids = window_batch(tokens, step, batch_size, seq_len, seed)
+    share = batch_size // dp
+    return list(ids[dp_rank * share:(dp_rank + 1) * share].chunk(grad_accum))
 
 
 def eval_windows(tokens: torch.Tensor, count: int, seq_len: int) -> torch.Tensor:
