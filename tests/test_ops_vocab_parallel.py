@@ -214,3 +214,27 @@ def _check_gpt2(rank: int) -> None:
 
 def test_vocab_parallel_on_two_ranks():
     spawn(_check_embedding, _check_cross_entropy, _check_gpt2)
+
+
+def test_the_factory_splits_over_the_schedules_group_not_the_world() -> None:
+    """TP 2 x DP 2 (a fake world of 4): the vocabulary is split in 2, over the TP group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torchloom as tl
+    from torchloom.ops import make_vocab_parallel_embedding
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        tp_group = dist.new_group([0, 1])
+        model = torch.nn.Sequential(torch.nn.Embedding(8, 4))
+        sch = tl.create_schedule(model, group=tp_group)
+        sch["0"].replace(make_vocab_parallel_embedding)
+        assert (model[0].world_size, model[0].vocab_start, model[0].vocab_end) == (2, 0, 4)
+        assert model[0].weight.shape == (4, 4)
+        plain = torch.nn.Sequential(torch.nn.Embedding(8, 4))
+        tl.create_schedule(plain)["0"].replace(make_vocab_parallel_embedding)  # no group
+        assert plain[0].world_size == 4  # the default group, as before
+    finally:
+        dist.destroy_process_group()

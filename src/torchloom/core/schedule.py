@@ -26,6 +26,8 @@ Linear(in_features=8, out_features=2, bias=True)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import fnmatch
 from typing import TYPE_CHECKING, Any, Iterator
@@ -39,7 +41,33 @@ from .recipe import Recipe
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Schedule", "ScheduleGroup", "create_schedule", "join_path"]
+__all__ = ["Schedule", "ScheduleGroup", "create_schedule", "factory_group", "join_path"]
+
+_FACTORY_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "torchloom_factory_group", default=None)
+
+
+def factory_group() -> Any:
+    """The process group of the schedule node whose ``replace`` factory is running (a
+    factory builds its module for that group: a vocabulary-parallel embedding splits the
+    vocabulary over the tensor-parallel group, not the world); None outside a factory
+    or for the default group.
+
+    >>> factory_group() is None
+    True
+    """
+    return _FACTORY_GROUP.get()
+
+
+@contextlib.contextmanager
+def building_for(group: Any) -> Iterator[None]:
+    """Run a ``replace`` factory for the schedule group ``group`` (see
+    :func:`factory_group`)."""
+    token = _FACTORY_GROUP.set(group)
+    try:
+        yield
+    finally:
+        _FACTORY_GROUP.reset(token)
 
 _WILDCARD_CHARS = set("*?[")
 

@@ -44,6 +44,7 @@ from torch import nn
 from ..core.errors import ShardError
 from ..core.meta import ShardSpec, copy_meta, get_meta, shard_spec
 from ..core.refs import schedule_safe
+from ..core.schedule import factory_group
 from ..runtime import collectives as C
 
 __all__ = [
@@ -238,7 +239,9 @@ class VocabParallelEmbedding(nn.Module):
 
 @schedule_safe
 def make_vocab_parallel_embedding(old: nn.Module) -> VocabParallelEmbedding:
-    """Factory for ``sch[path].replace(make_vocab_parallel_embedding)`` (default group).
+    """Factory for ``sch[path].replace(make_vocab_parallel_embedding)``: the vocabulary is
+    split over the schedule's group (the tensor-parallel group of ``create_schedule(model,
+    group=...)``; the default group when the schedule has none).
 
     >>> import torchloom as tl
     >>> model = nn.Sequential(nn.Embedding(4, 2))
@@ -246,7 +249,7 @@ def make_vocab_parallel_embedding(old: nn.Module) -> VocabParallelEmbedding:
     >>> type(model[0]).__name__
     'VocabParallelEmbedding'
     """
-    return VocabParallelEmbedding.from_embedding(old)  # type: ignore[arg-type]
+    return VocabParallelEmbedding.from_embedding(old, factory_group())  # type: ignore[arg-type]
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,

@@ -79,6 +79,7 @@ from torch import nn
 from ..core.errors import ReplaceError
 from ..core.marks import CHECKPOINTED, FORK_RNG, has_mark, transfer_hooks
 from ..core.registry import primitive
+from ..core.schedule import building_for
 from ..graph.subgraph import recorded_matches
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ def _make_new(sch: Schedule, new_mod_or_fn: Any) -> nn.Module:
             values={"new_mod_or_fn": repr(new_mod_or_fn)[:60]},
             fix=f"sch[{sch.path!r}].replace(MyModule(...)) or .replace(make_my_module)",
         )
-    new = new_mod_or_fn(sch.mod)
+    with building_for(sch.group):  # a factory builds its module for this node's group
+        new = new_mod_or_fn(sch.mod)
     if not isinstance(new, nn.Module):
         raise ReplaceError(
             f"the factory returned a {type(new).__name__}, not an nn.Module",
