@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..core.errors import TraceError
+from ..core.meta import copy_meta, has_meta
 from .guards import _is_fake
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ def _tensors_on_meta(module: nn.Module, active: bool) -> Iterator[None]:
                 meta = t.detach().to("meta")
                 if isinstance(t, nn.Parameter):
                     meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+                if has_meta(t):  # a hook may read the shard spec (vocab_ids_local does)
+                    copy_meta(t, meta)
                 swapped.append((slots, name, t))
                 slots[name] = meta
     try:
