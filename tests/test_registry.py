@@ -160,3 +160,24 @@ def test_shard_fails_in_several_ways_each_with_its_class() -> None:
     with pytest.raises(errors.ShardArgumentError, match=r"chunks must be a positive integer"):
         sch["2"].shard("weight", 0, 0)
     assert all(issubclass(e, tl.ShardError) for e in PRIMITIVES["shard"].errors)
+
+
+def test_the_typed_declarations_match_the_registered_primitives() -> None:
+    """Each primitive is a typed method of the schedule (for mypy and editors) whose
+    parameters are exactly its registered signature's: names, kinds, defaults, types."""
+    import inspect
+
+    from torchloom.core.primitive_methods import PrimitiveMethods
+    from torchloom.core.registry import PRIMITIVES
+
+    declared = {n for n, v in vars(PrimitiveMethods).items()
+                if callable(v) and not n.startswith("_")}
+    assert declared == set(PRIMITIVES), declared ^ set(PRIMITIVES)
+    for name, prim in PRIMITIVES.items():
+        stub = list(inspect.signature(getattr(PrimitiveMethods, name)).parameters.values())[1:]
+        real = list(prim.signature.parameters.values())
+        assert [(p.name, p.kind, p.default) for p in stub] == \
+            [(p.name, p.kind, p.default) for p in real], name
+        for s, r in zip(stub, real):  # the same type, or Any where core cannot name it
+            assert s.annotation in (r.annotation, "Any", "Callable[..., Any]"), \
+                (name, s.name, s.annotation, r.annotation)

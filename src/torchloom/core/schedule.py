@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import BuiltError, NotAModuleError, PathError, PrimitiveNameError
+from .primitive_methods import PrimitiveMethods
 from .recipe import Recipe
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class Schedule:
+class Schedule(PrimitiveMethods):
     """One node of the schedule tree.
 
     Attributes:
@@ -306,7 +307,7 @@ def _no_such_primitive(path: str, name: str) -> None:
         f"use one of {', '.join(sorted(PRIMITIVES))}")
 
 
-class ScheduleGroup:
+class ScheduleGroup(PrimitiveMethods):
     """The nodes a wildcard path matched; a primitive called on the group is applied to
     each node in tree order (and recorded once per node).
 
