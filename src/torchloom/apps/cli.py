@@ -7,14 +7,17 @@ Commands:
   bar, the loss as it falls, and the throughput in tokens/s;
 * ``torchloom show MODEL``: state a model's size and print its schedule tree (a zoo model
   at ``--size``, a model folder or a config file), optionally with the demo schedule;
-* ``torchloom train``: train a zoo model, a model folder or a config file under its
+* ``torchloom train``: train a zoo model, a model folder, a config file or your own model
+  (``path/to/file.py:factory``, named on the command line only) under its
   built-in schedule on local text, on one process or a (pp, dp, tp) mesh (``torchrun`` or
   local ranks), with evaluation, metrics, checkpoints that resume exactly and a
   ``--save-pretrained`` export; options by flags or a TOML file (:mod:`torchloom.apps.jobconfig`);
 * ``torchloom tune MODEL --budget-gb N``: search batch size and checkpoint ratio under a
   memory budget (pruning with the cost model), with a live table, the best recipe and a plot;
-* ``torchloom verify MODEL --tp N``: apply the model's built-in schedule inside
-  :class:`~torchloom.Verify` on N local ranks and report what was compared;
+* ``torchloom verify MODEL --tp N``: apply the model's schedule inside
+  :class:`~torchloom.Verify` on N local ranks and report what was compared; MODEL (a zoo
+  name, a folder, a config file or ``path/to/file.py:factory``) is checked before any rank
+  starts;
 * ``torchloom list-primitives``: the primitives a schedule offers.
 
 A :class:`~torchloom.core.errors.ScheduleError` is printed as its message, without a
@@ -23,6 +26,7 @@ traceback, and the command exits with status 2.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -46,7 +50,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from ..core import __version__
-from ..core.errors import CliOptionError
+from ..core.errors import CliOptionError, ScheduleError
 from ..core.rules import checkpointed_count
 from ..core.schedule import Schedule, create_schedule
 from ..core.show import rich_tree
@@ -233,6 +237,16 @@ def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
     from .train import TrainConfig, count_parameters, layer_lists, meta_model
 
     kind = model_kind(model)
+    if kind == "code":
+        from . import usercode
+
+        built = usercode.load(model, meta=True, error=CliOptionError, primitive="torchloom show",
+                              flag="MODEL")
+        inner = usercode.inner_module(built)
+        text = (f"{model}: {type(inner).__name__}, {_count(count_parameters(built))} parameters"
+                " (on meta: shapes only)" + (", wrapped in TokenLM (adds the next-token loss)"
+                                            if inner is not built else ""))
+        return built, text, layer_lists(built)
     if kind in ("folder", "config"):
         cfg = TrainConfig(model=model, seq_len=2)
         built = meta_model(cfg)
@@ -258,7 +272,8 @@ def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
 @_clean_errors
 def show(
     model: str = typer.Argument(..., help=f"A zoo model ({', '.join(zoo.list_models())}), a "
-                                "transformers model folder or a config.json."),
+                                "transformers model folder, a config.json, or your own model: "
+                                "path/to/file.py:factory."),
     size: str = typer.Option("tiny", help=f"Zoo model size: {', '.join(zoo.SIZES)}."),
     ckpt_ratio: float = typer.Option(
         None, min=0.0, max=1.0,
@@ -417,8 +432,11 @@ def train(
                                "as the flags, e.g. batch-size = 8); flags given here win."),
     model: str = typer.Option(_train_default("model"), help="A zoo model ("
                               f"{', '.join(zoo.list_models())}), a transformers model folder "
-                              "(config.json + weights, e.g. save_pretrained output) or a "
-                              "config.json (random init)."),
+                              "(config.json + weights, e.g. save_pretrained output), a "
+                              "config.json (random init), or your own model: "
+                              "path/to/file.py:factory (a function returning an nn.Module "
+                              "mapping token ids to logits, or a transformers model; not "
+                              "from a --config file)."),
     size: str = typer.Option(_train_default("size"), help=f"Zoo model size: "
                              f"{', '.join(zoo.SIZES)}."),
     data_paths: list[str] = typer.Option(None, "--data", help="A text file or folder (every "
@@ -591,13 +609,147 @@ def tune(
         raise typer.Exit(code=code)
 
 
+_VERIFY = "torchloom verify"
+
+
+def _verify_error(exc: ScheduleError) -> CliOptionError:
+    """A train-side model error, told as ``torchloom verify``'s (MODEL, not --model)."""
+    problem = exc.problem.replace("--model ", "MODEL ", 1)
+    return CliOptionError(problem, primitive=_VERIFY, values=exc.values,
+                          fix=(exc.fix or "").replace("--model ", "torchloom verify "))
+
+
+def verify_model(model_name: str, seed: int = 0, *, meta: bool = False) -> torch.nn.Module:
+    """The model ``torchloom verify`` schedules: a zoo model (tiny), a folder's or config
+    file's transformers model (random initialisation from ``seed``: Verify compares the
+    scheduled model with the unscheduled one, whatever the weights), or the model of
+    ``FILE.py:factory`` (a plain module in its :class:`~torchloom.apps.usercode.TokenLM`);
+    ``meta``: on the meta device (nothing allocated), for the checks up front."""
+    from ..runtime.materialise import init_empty_weights
+    from . import usercode
+    from .jobconfig import TrainConfig, model_kind
+    from .train import _from_config, _hf_config
+
+    kind = model_kind(model_name)
+    if kind == "code":
+        torch.manual_seed(seed)
+        return usercode.load(model_name, meta=meta, check=False, error=CliOptionError,
+                             primitive=_VERIFY, flag="MODEL")
+    if kind in ("folder", "config"):
+        cfg = TrainConfig(model=model_name, seq_len=16, seed=seed)
+        try:
+            config = _hf_config(cfg)
+            torch.manual_seed(seed)
+            with init_empty_weights() if meta else contextlib.nullcontext():
+                return _from_config(cfg, config)
+        except ScheduleError as exc:
+            raise _verify_error(exc) from None
+    if meta:
+        with init_empty_weights():
+            return zoo.make_model(model_name, "tiny", seed=seed)
+    return zoo.make_model(model_name, "tiny", seed=seed)
+
+
+def _verify_inputs(model_name: str, model: torch.nn.Module, seed: int) -> dict[str, Any]:
+    if model_name in zoo.list_models():
+        return zoo.example_inputs(model_name, model, batch_size=2, seq_len=16, seed=seed)
+    from ..core.outputs import no_cache_kwargs
+
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone(), **no_cache_kwargs(model)}
+
+
+def _verify_knobs(model: torch.nn.Module, tp: int, sp: bool,
+                  ckpt_ratio: float) -> dict[str, Any]:
+    """The knobs of the model's schedule: tp and sp only for one that takes them."""
+    from .train import _has_builtin_schedule
+
+    knobs: dict[str, Any] = {"ckpt_ratio": ckpt_ratio}
+    if _has_builtin_schedule(model, "tp"):
+        knobs.update(tp=True, sequence_parallel=sp)
+    return knobs
+
+
+def check_verify(model_name: str, tp: int, sp: bool) -> tuple[torch.nn.Module, str]:
+    """What ``torchloom verify`` checks before any rank starts: MODEL is a zoo name, a model
+    folder, a config file or ``FILE.py:factory`` whose contract holds; its model has a
+    schedule, one taking tensor parallelism if ``tp > 1``; it fits this machine's memory
+    on ``tp`` ranks. Returns the model on ``meta`` and where its schedule comes from."""
+    from ..runtime.model_check import check_fits, format_bytes
+    from . import usercode
+    from .jobconfig import model_kind
+    from .train import _has_builtin_schedule, count_parameters, schedule_source
+
+    if sp and tp < 2:
+        raise CliOptionError("sequence parallelism needs at least two tensor-parallel ranks",
+                             primitive=_VERIFY, values={"tp": tp, "sp": sp},
+                             fix=f"torchloom verify {model_name} --tp 2 --sp")
+    kind = model_kind(model_name)
+    if kind is None:
+        if usercode.looks_like_code(model_name):
+            usercode.CodeSpec.parse(model_name, error=CliOptionError, primitive=_VERIFY,
+                                    flag="MODEL")
+        if os.path.isdir(model_name):
+            raise CliOptionError(
+                "the folder has no config.json (a transformers model folder, as "
+                "save_pretrained writes it, has one)", primitive=_VERIFY,
+                values={"model": model_name, "contents": sorted(os.listdir(model_name))[:8]},
+                fix="torchloom verify path/to/model-folder")
+        import difflib
+
+        near = difflib.get_close_matches(model_name, zoo.list_models(), n=1)
+        raise CliOptionError(
+            f"MODEL {model_name!r}: not a zoo model, a model folder (with config.json), a "
+            "config .json file or FILE.py:factory", primitive=_VERIFY,
+            values={"model": model_name, "zoo": zoo.list_models()},
+            fix=f"torchloom verify {near[0] if near else 'gpt2'}, torchloom verify "
+            "path/to/folder, or torchloom verify path/to/model.py:make_model")
+    model = verify_model(model_name, meta=True)
+    if kind == "code":
+        usercode.check_contract(model, model_name, 16, error=CliOptionError,
+                                primitive=_VERIFY, flag="MODEL")
+    inner = usercode.inner_module(model)
+    if not _has_builtin_schedule(model):
+        raise CliOptionError(
+            f"{type(inner).__name__} has no schedule to verify: no built-in schedule, no "
+            "transformers tensor-parallel plan and no stack of layers (a ModuleList or "
+            "Sequential of two or more modules of one class)", primitive=_VERIFY,
+            values={"model": model_name, "class": type(inner).__name__},
+            fix="write its schedule with primitives and verify it in Python: with "
+            "torchloom.Verify(sch, inputs): ... (README, 'Verify')")
+    if tp > 1 and not _has_builtin_schedule(model, "tp"):
+        raise CliOptionError(
+            f"--tp {tp}: {type(inner).__name__} has only a schedule without tensor "
+            f"parallelism, {schedule_source(model)}: no built-in schedule, and transformers "
+            "declares no tensor-parallel plan for it", primitive=_VERIFY,
+            values={"model": model_name, "class": type(inner).__name__, "tp": tp},
+            fix=f"verify its automatic schedule on one rank: torchloom verify {model_name} "
+            "--ckpt-ratio 0.5; or register a schedule taking tp: "
+            "torchloom.schedules.register_schedule(name, fn)")
+    if kind != "zoo":
+        total = sum(p.numel() * p.element_size() for p in {id(p): p for p in
+                                                            model.parameters()}.values())
+        # per rank: the reference and the scheduled copy, with their gradients
+        need = 4 * total * tp
+        check_fits(need, "cpu", primitive=_VERIFY,
+                   what=f"verifying {model_name} ({format_bytes(total)} of parameters; two "
+                   f"copies with gradients on each of {tp} rank{'s' if tp > 1 else ''})",
+                   values={"model": model_name, "parameters": count_parameters(model),
+                           "tp": tp},
+                   fix="verify a smaller config of the same class (fewer layers, a smaller "
+                   "hidden size): the schedule is the same")
+    return model, schedule_source(model)
+
+
 def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,
                 ckpt_ratio: float, seed: int) -> dict[str, Any]:
-    """One rank of ``torchloom verify``: the built-in schedule under Verify."""
+    """One rank of ``torchloom verify``: the model's schedule under Verify."""
     from .. import schedules
     from ..tools.verify import VerificationError, Verify
+    from . import usercode
 
-    model = zoo.make_model(model_name, "tiny", seed=seed)
+    model = verify_model(model_name, seed)
     if tp > 1:
         # Dropout inside a tensor-parallel region draws per-rank masks (fork_rng), which no
         # single-process model can reproduce: verify the arithmetic with dropout off
@@ -608,13 +760,13 @@ def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,
             for name in ("dropout", "attention_dropout", "dropout_rate"):
                 if isinstance(getattr(module, name, None), float):
                     setattr(module, name, 0.0)
-    inputs = zoo.example_inputs(model_name, model, batch_size=2, seq_len=16)
+    inputs = _verify_inputs(model_name, model, seed)
+    knobs = _verify_knobs(model, tp, sequence_parallel, ckpt_ratio)
     sch = create_schedule(model)
     verify = Verify(sch, inputs)
     try:
         with verify:
-            schedules.apply_schedule(sch, tp=True, sequence_parallel=sequence_parallel,
-                                  ckpt_ratio=ckpt_ratio)
+            schedules.apply_schedule(usercode.schedule_root(sch), **knobs)
     except VerificationError as err:
         return {"ok": False, "message": str(err), "stats": verify.stats,
                 "primitives": len(sch.recipe)}
@@ -624,7 +776,9 @@ def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,
 @app.command()
 @_clean_errors
 def verify(
-    model: str = typer.Argument(..., help=f"A zoo model: {', '.join(zoo.list_models())}."),
+    model: str = typer.Argument(..., help=f"A zoo model ({', '.join(zoo.list_models())}), a "
+                                "transformers model folder or config.json (random init), or "
+                                "your own model: path/to/file.py:factory."),
     tp: int = typer.Option(1, min=1, max=4, help="Tensor-parallel ranks (local gloo processes)."),
     sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (needs --tp 2 or more)."),
     ckpt_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
@@ -634,17 +788,17 @@ def verify(
                                   "other ranks; a rank that hangs, raises or dies ends the "
                                   "run within this plus 15 s."),
 ) -> None:
-    """Verify a model's built-in schedule against the unscheduled model (forward outputs,
-    input gradients and parameter gradients), on TP local ranks."""
+    """Verify a model's schedule (built-in, derived from transformers' plan, or automatic)
+    against the unscheduled model (forward outputs, input gradients and parameter
+    gradients), on TP local ranks. MODEL is checked before any rank starts."""
     from ..runtime.launch import raise_first_failure, run_ranks
 
     console = Console()
-    if sp and tp < 2:
-        raise CliOptionError("sequence parallelism needs at least two tensor-parallel ranks",
-                            primitive="torchloom verify", values={"tp": tp, "sp": sp},
-                            fix=f"torchloom verify {model} --tp 2 --sp")
-    console.print(f"verifying the built-in schedule of [bold]{model}[/] (tiny) on {tp} "
-                  f"rank{'s' if tp > 1 else ''}{' with sequence parallelism' if sp else ''}...")
+    _, source = check_verify(model, tp, sp)
+    what = f"{model} (tiny)" if model in zoo.list_models() else model
+    console.print(f"verifying [bold]{escape(what)}[/] on {tp} rank{'s' if tp > 1 else ''}"
+                  f"{' with sequence parallelism' if sp else ''}; schedule: "
+                  f"{escape(source)}...")
     results = run_ranks(verify_rank, tp, model, tp, sp, ckpt_ratio, seed, timeout_s=timeout)
     # The failing rank's own error first (not its peers' "connection closed"); exit 2.
     raise_first_failure(results, command="torchloom verify")

@@ -9,10 +9,13 @@ model or the data (a sequence longer than the model's positions, a tokenizer lar
 the vocabulary, a save directory of another run) is checked next, still before any rank
 starts, by :func:`torchloom.apps.train.check_config`.
 
-``--model`` is one of three kinds (:attr:`TrainConfig.model_kind`): a zoo name
+``--model`` is one of four kinds (:attr:`TrainConfig.model_kind`): a zoo name
 (``"zoo"``), a folder with a ``config.json`` (``"folder"``: transformers ``save_pretrained``
-output; its weights are loaded and its tokenizer, if any, tokenises ``--data``), or a
-``.json`` config file (``"config"``: random initialisation).
+output; its weights are loaded and its tokenizer, if any, tokenises ``--data``), a
+``.json`` config file (``"config"``: random initialisation), or a user's own model made by
+a function in a Python file, ``path/to/file.py:factory`` (``"code"``:
+:mod:`torchloom.apps.usercode`). Code runs only when named on the command line: a TOML file
+naming it is refused (:func:`load_toml`).
 
 >>> cfg = TrainConfig(model="llama", steps=10, warmup_steps=2, lr_decay="linear")
 >>> cfg.model_kind, cfg.warmup(), cfg.micro_batch()
@@ -65,13 +68,17 @@ to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the
 
 def model_kind(model: str) -> str | None:
     """``"zoo"``, ``"folder"`` (a directory with ``config.json``), ``"config"`` (an existing
-    ``.json`` file) or None (none of these).
+    ``.json`` file), ``"code"`` (``FILE.py:NAME`` of an existing file; nothing imported) or
+    None (none of these).
 
-    >>> model_kind("gpt2"), model_kind("no/such/folder")
-    ('zoo', None)
+    >>> model_kind("gpt2"), model_kind("no/such/folder"), model_kind("no/such/file.py:make")
+    ('zoo', None, None)
     """
     from ..schedules import zoo
+    from .usercode import is_code_spec
 
+    if is_code_spec(model):
+        return "code"
     if model in zoo.list_models():
         return "zoo"
     if os.path.isdir(model):
@@ -87,7 +94,8 @@ class TrainConfig:
     name with dashes, the TOML key the name). Made only with valid values."""
 
     model: str = "gpt2"
-    """A zoo name, a transformers model folder (config.json + weights) or a config.json."""
+    """A zoo name, a transformers model folder (config.json + weights), a config.json, or
+    ``path/to/file.py:factory`` (a user's model; on the command line only)."""
     size: str = "tiny"
     """Zoo size (zoo models only)."""
     data: tuple[str, ...] = ()
@@ -167,7 +175,7 @@ class TrainConfig:
 
     @property
     def model_kind(self) -> str:
-        """``"zoo"``, ``"folder"`` or ``"config"`` (see :func:`model_kind`)."""
+        """``"zoo"``, ``"folder"``, ``"config"`` or ``"code"`` (see :func:`model_kind`)."""
         return self._kind
 
     @property
@@ -306,6 +314,10 @@ def _check_model(c: TrainConfig, zoo: Any) -> None:
         raise _fail("size", c.size, f"unknown zoo size; sizes: {', '.join(zoo.SIZES)}", "tiny")
     if model_kind(c.model) is not None:
         return
+    from .usercode import CodeSpec, looks_like_code
+
+    if looks_like_code(c.model):
+        CodeSpec.parse(c.model)  # raises: what is wrong with FILE.py:NAME
     if os.path.isdir(c.model):
         raise _fail("model", c.model, "the folder has no config.json (a transformers model "
                     "folder, as save_pretrained writes it, has one)", "path/to/model-folder",
@@ -317,7 +329,8 @@ def _check_model(c: TrainConfig, zoo: Any) -> None:
         "config .json file", primitive=PRIMITIVE,
         values={"model": c.model, "zoo": zoo.list_models()},
         fix=f"{hint}, or --model path/to/folder (in a TOML file: model = "
-        f"{near[0] if near else 'gpt2'!r})")
+        f"{near[0] if near else 'gpt2'!r}), or your own model: --model "
+        "path/to/model.py:make_model (on the command line only)")
 
 
 def _check_combinations(c: TrainConfig) -> None:
@@ -390,7 +403,9 @@ def _key(name: str) -> str:
 def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The options in a TOML file: top-level keys named as the flags (``batch-size``) or
     the fields (``batch_size``); an unknown key, or a file that is not TOML, is a
-    :class:`TrainOptionError`. Values are checked by :class:`TrainConfig`."""
+    :class:`TrainOptionError`. Values are checked by :class:`TrainConfig`. A ``model`` naming
+    Python code (``file.py:factory``, or a ``.py`` file) is refused: code runs only when the
+    user names it on the command line."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -405,6 +420,8 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             values={"config": path},
             fix='write options as key = value lines, e.g. steps = 200 and model = "gpt2"'
         ) from None
+    from .usercode import looks_like_code
+
     known = [n for n in FLAGS]
     out: dict[str, Any] = {}
     for name, value in raw.items():
@@ -416,6 +433,12 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
                 values={"config": path, "option": name},
                 fix=(f"did you mean {near[0]!r}? " if near else "") +
                 f"options: {', '.join(known)}")
+        if key == "model" and looks_like_code(value):
+            raise TrainOptionError(
+                f"--config {path!r}: model = {value!r}: a TOML config cannot name Python code "
+                "to run", primitive=PRIMITIVE, values={"config": path, "model": value},
+                fix=f"pass it on the command line: --model {value if ':' in value else value + ':factory'}"
+                " (a zoo name, a model folder or a config.json may stay in the file)")
         out[key] = value
     return out
 

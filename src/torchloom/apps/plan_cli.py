@@ -48,7 +48,7 @@ from ..plan.layout import NOTATION, Layout
 from ..plan.predict import HEADROOM, Prediction, predict
 from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
 from ..plan.search import SearchResult, search
-from ..plan.spec import ModelSpec, model_spec
+from ..plan.spec import ModelSpec, code_spec, model_spec
 from .cli_errors import clean_errors
 
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
@@ -348,7 +348,8 @@ def _degrees(gpus: int, tp: int | None, pp: int | None, dp: int | None
 
 def plan_command(
     model: str = typer.Argument(..., help="A zoo model (gpt2, llama, opt, bert), a config.json "
-                                "or a folder with one (e.g. a Llama-2-70B config)."),
+                                "or a folder with one (e.g. a Llama-2-70B config), or "
+                                "path/to/file.py:factory returning a transformers model."),
     gpus: int = typer.Option(..., min=1, help="Devices to plan for."),
     gpu: str = typer.Option("h100-80gb", help=f"Device profile: {', '.join(PROFILES)}."),
     measure: bool = typer.Option(False, "--measure", help="Measure this machine and plan "
@@ -402,7 +403,19 @@ def plan_command(
                         values={"dtype": dtype, "dtypes": list(_DTYPES)}, fix="--dtype bf16")
     param_dtype, mixed = _DTYPES[dtype]
     batch = batch_size or gpus
-    spec = model_spec(model, size=size, seq_len=seq_len)
+    from .usercode import looks_like_code
+
+    if looks_like_code(model):  # the user's own code, named here on the command line
+        if measure_top:
+            raise PlanError(
+                f"--measure-top {measure_top} with {model}: the measurement trains zoo models "
+                "on local ranks", primitive="torchloom plan",
+                values={"model": model, "measure_top": measure_top},
+                fix=f"plan without --measure-top, then measure a layout with torchloom train "
+                f"--model {model} and its degrees")
+        spec = code_spec(model, seq_len=seq_len)
+    else:
+        spec = model_spec(model, size=size, seq_len=seq_len)
     common = dict(param_dtype=param_dtype, mixed_precision=mixed, optimizer=optimizer)
     degrees = _degrees(gpus, tp, pp, dp)
     device = "cpu" if profile.name.startswith("local-cpu") else "cuda"

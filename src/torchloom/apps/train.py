@@ -10,7 +10,11 @@ The model (``--model``, see :mod:`torchloom.apps.jobconfig`):
   made on ``meta`` (``AutoConfig`` + ``AutoModelForCausalLM.from_config`` under
   :func:`~torchloom.init_empty_weights`), scheduled, and ``build(sch, weights=folder)``
   reads each rank's slices; a tokenizer in the folder tokenises ``--data``;
-* a ``.json`` config file: the same, randomly initialised by ``build`` from ``seed``.
+* a ``.json`` config file: the same, randomly initialised by ``build`` from ``seed``;
+* ``path/to/file.py:factory`` (on the command line only): the module the factory returns,
+  made after ``torch.manual_seed(seed)`` (a plain module wrapped in
+  :class:`~torchloom.apps.usercode.TokenLM`, which adds the next-token loss; a
+  transformers model as it is), its contract checked up front on values without data.
 
 The schedule is the class's built-in one, or the one derived from its transformers
 tensor-parallel plan (:func:`torchloom.schedules.apply_schedule`: tensor parallelism,
@@ -81,7 +85,7 @@ from ..runtime.state import (
     save,
 )
 from ..schedules import zoo
-from . import data
+from . import data, usercode
 from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
 
 __all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError", "batch_at",
@@ -227,6 +231,8 @@ def _from_config(cfg: TrainConfig, config: Any) -> nn.Module:
 
 def meta_model(cfg: TrainConfig) -> nn.Module:
     """The run's model on ``meta`` (nothing allocated): for checks, sizes and FLOPs."""
+    if cfg.model_kind == "code":
+        return usercode.load(cfg.model, meta=True, check=False)
     with init_empty_weights():
         if cfg.model_kind == "zoo":
             return zoo.make_model(cfg.model, cfg.size, seed=cfg.seed,
@@ -239,7 +245,14 @@ def make_model(cfg: TrainConfig, device: torch.device) -> tuple[nn.Module, str |
 
     A zoo model is real (initialised from ``seed``) and on ``device``; a folder or config
     model is on ``meta`` except its buffers, which are moved to ``device``. A folder with
-    no weight files (a ``config.json`` only) is initialised at random, as a config file."""
+    no weight files (a ``config.json`` only) is initialised at random, as a config file. A
+    code model is what its factory makes after ``torch.manual_seed(seed)``, on ``device``
+    (parameters it left on ``meta`` are initialised by ``build``)."""
+    if cfg.model_kind == "code":
+        torch.manual_seed(cfg.seed)
+        model = usercode.load(cfg.model, check=False)
+        return (model.to(device) if device.type != "cpu" and not any(
+            p.is_meta for p in model.parameters()) else model), None
     if cfg.model_kind == "zoo":
         model = zoo.make_model(cfg.model, cfg.size, seed=cfg.seed,
                                **_positions(cfg.model, cfg.size, cfg.seq_len))
@@ -265,6 +278,8 @@ def weights_folder(cfg: TrainConfig) -> str | None:
 def weights_source(cfg: TrainConfig) -> str:
     """Where the run's weights come from, for the banner: ``"weights: FOLDER (N tensors)"``
     or ``"random init"`` (a zoo model, a config, a folder without weight files)."""
+    if cfg.model_kind == "code":
+        return f"made by {cfg.model}, seed {cfg.seed}"
     folder = weights_folder(cfg)
     if folder is None:
         return "random init"
@@ -307,6 +322,7 @@ def schedule_source(model: nn.Module) -> str:
     """Where the run's schedule comes from, for the banner: a built-in schedule, one derived
     from transformers' tensor-parallel plan, or the automatic checkpoint/compile schedule of
     the model's stacks of layers."""
+    model = usercode.inner_module(model)
     try:
         fn = schedules.schedule_for(model)
     except ScheduleError:
@@ -342,9 +358,10 @@ def layer_lists(model: nn.Module, name: str | None = None) -> list[str]:
 
 def _has_builtin_schedule(model: nn.Module, knob: str | None = None) -> bool:
     """Whether ``model`` has a schedule (built-in, derived or automatic) that takes
-    ``knob`` (any schedule when None)."""
+    ``knob`` (any schedule when None); for a user's module wrapped in a
+    :class:`~torchloom.apps.usercode.TokenLM`, the schedule of the module itself."""
     try:
-        fn = schedules.schedule_for(model)
+        fn = schedules.schedule_for(usercode.inner_module(model))
     except ScheduleError:
         return False
     return knob is None or knob in getattr(fn, "knobs", (knob,))
@@ -355,12 +372,13 @@ def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
     the stages are cut (:meth:`_Run.build_pipeline`), since tracing stops at checkpointed
     layers."""
     ckpt_ratio = cfg.ckpt_ratio if cfg.pp == 1 else 0.0
-    if _has_builtin_schedule(sch.mod):
-        schedules.apply_schedule(sch, schedules.ScheduleConfig(
+    root = usercode.schedule_root(sch)  # a user's module inside its TokenLM
+    if _has_builtin_schedule(root.mod):
+        schedules.apply_schedule(root, schedules.ScheduleConfig(
             tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, ckpt_ratio=ckpt_ratio))
     elif ckpt_ratio:
-        for path in layer_lists(sch.mod):
-            sch[path].checkpoint(ratio=ckpt_ratio)
+        for path in layer_lists(root.mod):
+            root[path].checkpoint(ratio=ckpt_ratio)
 
 
 _GROWN = frozenset({"gpt2", "bert", "llama"})
@@ -421,15 +439,18 @@ def check_config(cfg: TrainConfig) -> None:
             primitive=_PRIMITIVE, values={"model": cfg.model, "supported": supported},
             fix=f"train one of {', '.join(supported)}: torchloom train --model gpt2; train "
             f"{cfg.model} in Python with image batches (zoo.example_inputs({cfg.model!r}, model))")
+    config = None
     if cfg.model_kind == "zoo":
         _positions(cfg.model, cfg.size, cfg.seq_len)
-    else:
+    elif cfg.model_kind != "code":
         config = _hf_config(cfg)  # its sizes are positive integers
         _hf_positions(cfg, config)
     _check_device(cfg)
     if cfg.model_kind != "zoo":
         _check_memory(cfg, config)  # before meta_model, which allocates its buffers
     model = meta_model(cfg)
+    if cfg.model_kind == "code":  # one forward on values without data: ids -> logits
+        usercode.check_contract(model, cfg.model, cfg.seq_len)
     _check_model(cfg, model)
     _check_data(cfg, load_data(cfg), int(model.get_input_embeddings().num_embeddings))
     _check_outputs(cfg)
@@ -438,14 +459,25 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
+    inner = usercode.inner_module(model)
     if cfg.tp > 1 and not _has_builtin_schedule(model, "tp"):
         raise TrainOptionError(
-            f"--tp {cfg.tp}: {type(model).__name__} has no built-in schedule and transformers "
+            f"--tp {cfg.tp}: {type(inner).__name__} has no built-in schedule and transformers "
             "declares no tensor-parallel plan for it",
-            primitive=_PRIMITIVE, values={"model": cfg.model, "class": type(model).__name__,
+            primitive=_PRIMITIVE, values={"model": cfg.model, "class": type(inner).__name__,
                                           "supported": schedules.supported()},
             fix="train it with --dp (or --pp), or register a schedule: "
-            "torchloom.schedules.register_schedule(name, fn)")
+            "torchloom.schedules.register_schedule(name, fn)" + (
+                f" (in {cfg.model.rpartition(':')[0]}, for class {type(inner).__name__}, "
+                "taking the tp knob)" if cfg.model_kind == "code" else ""))
+    if cfg.save_pretrained and isinstance(model, usercode.TokenLM):
+        raise TrainOptionError(
+            f"--save-pretrained {cfg.save_pretrained!r}: {cfg.model} made a "
+            f"{type(inner).__name__}, not a transformers model: there is no transformers "
+            "folder (config.json and its class) to write", primitive=_PRIMITIVE,
+            values={"model": cfg.model, "class": type(inner).__name__},
+            fix="keep the trained weights with --save-dir (torchloom.load reads them back "
+            "into the module), or return a transformers model from the factory")
     if cfg.pp == 1:
         return
     layers = layer_lists(model, cfg.model)
@@ -468,14 +500,18 @@ AdamW's two states (all of the parameters' dtype): the steady part of the planne
 per-rank memory, activations left out (so the estimate is a lower bound)."""
 
 
-def _check_memory(cfg: TrainConfig, config: Any) -> None:
+def _check_memory(cfg: TrainConfig, config: Any | None) -> None:
     """The run's parameters, gradients and AdamW states per rank (divided by the layout's
     sharding: tp, pp, and dp under FSDP) fit the memory available now: on --device cpu
     times the ranks on this machine, against ``MemAvailable``; on cuda against the free
     memory of this rank's GPU. Counted on a model made entirely on the meta device
-    (nothing allocated); a folder or config model only (a zoo model's sizes are fixed)."""
-    with torch.device("meta"):
-        model = _from_config(cfg, config)
+    (nothing allocated); a folder or config model only (a zoo model's sizes are fixed), or a
+    code model (``config`` None: its factory run under ``init_empty_weights``)."""
+    if config is None:
+        model = meta_model(cfg)
+    else:
+        with torch.device("meta"):
+            model = _from_config(cfg, config)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
@@ -904,7 +940,8 @@ class _Run:
         name = f"{cfg.model} ({cfg.size})" if cfg.model_kind == "zoo" else cfg.model
         source = weights_source(cfg)
         whole = meta_model(cfg)
-        return {"kind": "start", "model": name, "class": type(whole).__name__,
+        return {"kind": "start", "model": name,
+                "class": type(usercode.inner_module(whole)).__name__,
                 "source": source, "parameters": count_parameters(whole),
                 "data": self.corpus.description, "device": str(self.device),
                 "dtype": cfg.dtype, "ranks": self.world, "layout": layout_text(cfg),

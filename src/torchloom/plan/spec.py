@@ -1,5 +1,6 @@
-"""Which model to plan: a zoo name, a transformers config file or folder, or a model class
-with its config, always built on ``meta`` (nothing allocated) at any depth.
+"""Which model to plan: a zoo name, a transformers config file or folder, a model class
+with its config, or a user's factory returning a transformers model
+(:func:`code_spec`), always built on ``meta`` (nothing allocated) at any depth.
 
 The planner measures a model shortened to a few layers and scales by the real layer count,
 so a :class:`ModelSpec` keeps the config and can build the model with another number of
@@ -29,7 +30,7 @@ from ..core.errors import PlanError
 from ..runtime.materialise import init_empty_weights
 from ..schedules import zoo
 
-__all__ = ["ModelSpec", "model_spec", "DTYPES"]
+__all__ = ["ModelSpec", "code_spec", "model_spec", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GROWN = frozenset({"gpt2", "bert", "llama"})  # zoo models whose positions grow (as train)
@@ -151,6 +152,58 @@ def _zoo_spec(name: str, size: str, seq_len: int | None) -> ModelSpec:
                      command=name, size=size)
 
 
+def _check_positions(config: Any, name: str, seq_len: int | None) -> None:
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and seq_len is not None and seq_len > limit:
+            raise PlanError(
+                f"a sequence of {seq_len} tokens is longer than the {limit} positions of "
+                f"{name}: config field {key} = {limit}", primitive=_PRIMITIVE,
+                values={"model": name, "seq_len": seq_len, key: limit},
+                fix=f"--seq-len {limit}")
+
+
+def code_spec(text: str, seq_len: int | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` of a user's model named as ``path/to/file.py:factory`` (see
+    :mod:`torchloom.apps.usercode`): the file is imported and the factory called under
+    :func:`~torchloom.init_empty_weights` (this runs the file's code: name only files you
+    trust). The planner rebuilds a model at other depths from its transformers config, so
+    the factory must return a transformers causal LM; a plain ``nn.Module`` (which ``torchloom
+    train`` and ``verify`` take) has no config to rebuild it from and is refused, naming
+    what the planner needs."""
+    from ..apps import usercode
+
+    made = usercode.load(text, meta=True, seq_len=seq_len or 16, error=PlanError,
+                         primitive=_PRIMITIVE, flag="MODEL")
+    if isinstance(made, usercode.TokenLM):
+        inner = usercode.inner_module(made)
+        raise PlanError(
+            f"{text}: the factory returned a {type(inner).__name__}, a module without a "
+            "transformers config; the planner rebuilds a model at a few depths from its "
+            "config (num_hidden_layers, the attention heads, the hidden size, vocab_size) "
+            "and scales by the layer count, so it plans transformers models only",
+            primitive=_PRIMITIVE, values={"model": text, "class": type(inner).__name__},
+            fix="plan a transformers config of the same shape (e.g. GPT2Config(n_layer=..., "
+            "n_embd=..., n_head=..., vocab_size=...) saved as config.json), or return that "
+            "transformers model from the factory; torchloom train and verify take the "
+            "module as it is")
+    config = made.config
+    _check_positions(config, text, seq_len)
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise PlanError(
+            f"{text}: {type(config).__name__} has no num_hidden_layers: the planner rebuilds "
+            "the model at a few depths", primitive=_PRIMITIVE,
+            values={"model": text, "config": type(config).__name__},
+            fix="return a decoder-only causal LM (gpt2, llama, opt, qwen2, ...) from the "
+            "factory")
+    with init_empty_weights():
+        shallow = copy.deepcopy(config)
+        shallow.num_hidden_layers = 1
+        model = type(made)(shallow)
+    return ModelSpec(text, config, type(made), _layer_path(model, text), "causal",
+                     command=text)
+
+
 def _config_spec(path: str, seq_len: int | None) -> ModelSpec:
     import transformers
 
@@ -173,14 +226,7 @@ def _config_spec(path: str, seq_len: int | None) -> ModelSpec:
             primitive=_PRIMITIVE, values={"model": path,
                                           "model_type": getattr(config, "model_type", None)},
             fix="plan a causal LM config (gpt2, llama, opt, qwen2, mistral, ...)") from None
-    for key in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, key, None)
-        if isinstance(limit, int) and seq_len is not None and seq_len > limit:
-            raise PlanError(
-                f"a sequence of {seq_len} tokens is longer than the {limit} positions of "
-                f"{path}: config field {key} = {limit}", primitive=_PRIMITIVE,
-                values={"model": path, "seq_len": seq_len, key: limit},
-                fix=f"--seq-len {limit}")
+    _check_positions(config, path, seq_len)
     with init_empty_weights():
         shallow = copy.deepcopy(config)
         shallow.num_hidden_layers = 1
@@ -211,6 +257,14 @@ def model_spec(model: Any, size: str = "tiny", seq_len: int | None = None,
         return ModelSpec(model.__name__, config, model, _layer_path(built, model.__name__),
                          kind)
     if isinstance(model, str):
+        from ..apps.usercode import looks_like_code
+
+        if looks_like_code(model):
+            raise PlanError(
+                f"{model!r} names Python code: model_spec does not import files named by a "
+                "string", primitive=_PRIMITIVE, values={"model": model},
+                fix=f"torchloom plan {model} on the command line, or in Python: "
+                f"model_spec(code_spec({model!r}))")
         if model in zoo.list_models():
             return _zoo_spec(model, size, seq_len)
         if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):
