@@ -238,7 +238,7 @@ def show_model(model: str, size: str) -> tuple[torch.nn.Module, str, list[str]]:
 
     kind = model_kind(model)
     if kind == "code":
-        from . import usercode
+        from ..tools import usercode
 
         built = usercode.load(model, meta=True, error=CliOptionError, primitive="torchloom show",
                               flag="MODEL")
@@ -623,10 +623,10 @@ def verify_model(model_name: str, seed: int = 0, *, meta: bool = False) -> torch
     """The model ``torchloom verify`` schedules: a zoo model (tiny), a folder's or config
     file's transformers model (random initialisation from ``seed``: Verify compares the
     scheduled model with the unscheduled one, whatever the weights), or the model of
-    ``FILE.py:factory`` (a plain module in its :class:`~torchloom.apps.usercode.TokenLM`);
+    ``FILE.py:factory`` (a plain module in its :class:`~torchloom.tools.usercode.TokenLM`);
     ``meta``: on the meta device (nothing allocated), for the checks up front."""
     from ..runtime.materialise import init_empty_weights
-    from . import usercode
+    from ..tools import usercode
     from .jobconfig import TrainConfig, model_kind
     from .train import _from_config, _hf_config
 
@@ -677,7 +677,7 @@ def check_verify(model_name: str, tp: int, sp: bool) -> tuple[torch.nn.Module, s
     schedule, one taking tensor parallelism if ``tp > 1``; it fits this machine's memory
     on ``tp`` ranks. Returns the model on ``meta`` and where its schedule comes from."""
     from ..runtime.model_check import check_fits, format_bytes
-    from . import usercode
+    from ..tools import usercode
     from .jobconfig import model_kind
     from .train import _has_builtin_schedule, count_parameters, schedule_source
 
@@ -746,8 +746,8 @@ def verify_rank(rank: int, model_name: str, tp: int, sequence_parallel: bool,
                 ckpt_ratio: float, seed: int) -> dict[str, Any]:
     """One rank of ``torchloom verify``: the model's schedule under Verify."""
     from .. import schedules
+    from ..tools import usercode
     from ..tools.verify import VerificationError, Verify
-    from . import usercode
 
     model = verify_model(model_name, seed)
     if tp > 1:

@@ -14,7 +14,7 @@ starts, by :func:`torchloom.apps.train.check_config`.
 output; its weights are loaded and its tokenizer, if any, tokenises ``--data``), a
 ``.json`` config file (``"config"``: random initialisation), or a user's own model made by
 a function in a Python file, ``path/to/file.py:factory`` (``"code"``:
-:mod:`torchloom.apps.usercode`). Code runs only when named on the command line: a TOML file
+:mod:`torchloom.tools.usercode`). Code runs only when named on the command line: a TOML file
 naming it is refused (:func:`load_toml`).
 
 >>> cfg = TrainConfig(model="llama", steps=10, warmup_steps=2, lr_decay="linear")
@@ -75,7 +75,7 @@ def model_kind(model: str) -> str | None:
     ('zoo', None, None)
     """
     from ..schedules import zoo
-    from .usercode import is_code_spec
+    from ..tools.usercode import is_code_spec
 
     if is_code_spec(model):
         return "code"
@@ -314,7 +314,7 @@ def _check_model(c: TrainConfig, zoo: Any) -> None:
         raise _fail("size", c.size, f"unknown zoo size; sizes: {', '.join(zoo.SIZES)}", "tiny")
     if model_kind(c.model) is not None:
         return
-    from .usercode import CodeSpec, looks_like_code
+    from ..tools.usercode import CodeSpec, looks_like_code
 
     if looks_like_code(c.model):
         CodeSpec.parse(c.model)  # raises: what is wrong with FILE.py:NAME
@@ -420,7 +420,7 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             values={"config": path},
             fix='write options as key = value lines, e.g. steps = 200 and model = "gpt2"'
         ) from None
-    from .usercode import looks_like_code
+    from ..tools.usercode import looks_like_code
 
     known = [n for n in FLAGS]
     out: dict[str, Any] = {}

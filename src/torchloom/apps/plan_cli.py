@@ -403,7 +403,7 @@ def plan_command(
                         values={"dtype": dtype, "dtypes": list(_DTYPES)}, fix="--dtype bf16")
     param_dtype, mixed = _DTYPES[dtype]
     batch = batch_size or gpus
-    from .usercode import looks_like_code
+    from ..tools.usercode import looks_like_code
 
     if looks_like_code(model):  # the user's own code, named here on the command line
         if measure_top:

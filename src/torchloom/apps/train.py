@@ -13,7 +13,7 @@ The model (``--model``, see :mod:`torchloom.apps.jobconfig`):
 * a ``.json`` config file: the same, randomly initialised by ``build`` from ``seed``;
 * ``path/to/file.py:factory`` (on the command line only): the module the factory returns,
   made after ``torch.manual_seed(seed)`` (a plain module wrapped in
-  :class:`~torchloom.apps.usercode.TokenLM`, which adds the next-token loss; a
+  :class:`~torchloom.tools.usercode.TokenLM`, which adds the next-token loss; a
   transformers model as it is), its contract checked up front on values without data.
 
 The schedule is the class's built-in one, or the one derived from its transformers
@@ -85,7 +85,8 @@ from ..runtime.state import (
     save,
 )
 from ..schedules import zoo
-from . import data, usercode
+from ..tools import usercode
+from . import data
 from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
 
 __all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError", "batch_at",
@@ -359,7 +360,7 @@ def layer_lists(model: nn.Module, name: str | None = None) -> list[str]:
 def _has_builtin_schedule(model: nn.Module, knob: str | None = None) -> bool:
     """Whether ``model`` has a schedule (built-in, derived or automatic) that takes
     ``knob`` (any schedule when None); for a user's module wrapped in a
-    :class:`~torchloom.apps.usercode.TokenLM`, the schedule of the module itself."""
+    :class:`~torchloom.tools.usercode.TokenLM`, the schedule of the module itself."""
     try:
         fn = schedules.schedule_for(usercode.inner_module(model))
     except ScheduleError:

@@ -165,13 +165,13 @@ def _check_positions(config: Any, name: str, seq_len: int | None) -> None:
 
 def code_spec(text: str, seq_len: int | None = None) -> ModelSpec:
     """The :class:`ModelSpec` of a user's model named as ``path/to/file.py:factory`` (see
-    :mod:`torchloom.apps.usercode`): the file is imported and the factory called under
+    :mod:`torchloom.tools.usercode`): the file is imported and the factory called under
     :func:`~torchloom.init_empty_weights` (this runs the file's code: name only files you
     trust). The planner rebuilds a model at other depths from its transformers config, so
     the factory must return a transformers causal LM; a plain ``nn.Module`` (which ``torchloom
     train`` and ``verify`` take) has no config to rebuild it from and is refused, naming
     what the planner needs."""
-    from ..apps import usercode
+    from ..tools import usercode
 
     made = usercode.load(text, meta=True, seq_len=seq_len or 16, error=PlanError,
                          primitive=_PRIMITIVE, flag="MODEL")
@@ -257,7 +257,7 @@ def model_spec(model: Any, size: str = "tiny", seq_len: int | None = None,
         return ModelSpec(model.__name__, config, model, _layer_path(built, model.__name__),
                          kind)
     if isinstance(model, str):
-        from ..apps.usercode import looks_like_code
+        from ..tools.usercode import looks_like_code
 
         if looks_like_code(model):
             raise PlanError(
