@@ -28,6 +28,14 @@ ranks each family in lock-step and, when a family outlasts ``--timeout`` (a hang
 ranks disagree about its outcome (one raised while the other waits in a collective),
 ends both ranks and starts two new ones for the remaining families.
 
+``--layouts tp,fsdp,pp`` runs the **loading sweep** instead (:func:`prepare_load`,
+:func:`run_load`): this process writes each family's tiny model with ``save_pretrained``
+and takes the first loss of the model class's ``from_pretrained`` (eval mode, a fixed
+batch); on the two ranks a meta copy of the folder's config is loaded with
+``build(..., weights=folder)`` at TP 2, FSDP 2 and PP 2 (``from_hf_plan(tp=False,
+pipeline_stages=2)``) and its first loss must be within ``LOAD_TOL`` of the reference.
+One job per family and layout, in the same lock-step launch.
+
 Output: a Markdown table family -> result (``passed``, or the stage, the style / module
 that failed and the first line of the error), with counts; ``--json PATH`` writes the
 rows and counts.
@@ -38,6 +46,8 @@ Usage::
     python benchmarks/zoo_sweep.py --families llama,qwen2,mixtral --json out.json
     python benchmarks/zoo_sweep.py --limit 10 --timeout 120
     python benchmarks/zoo_sweep.py --ci                     # the CI subset (12 families)
+    python benchmarks/zoo_sweep.py --layouts tp,fsdp,pp --timeout 60   # loading, every family
+    python benchmarks/zoo_sweep.py --ci --layouts pp,fsdp   # loading, the CI subset (7)
 
 >>> kw = tiny_kwargs(__import__("transformers").LlamaConfig)   # Llama's defaults: sizes only
 >>> sorted(kw.items())                       # (its head_dim and KV heads are derived: 128, 32)
@@ -794,6 +804,373 @@ def run_family(family: Family, schedule: str = "auto", try_sp: bool = True,
     return row
 
 
+# ----------------------------------------------------------------------- loading layouts
+
+#: the layouts ``--layouts`` knows: tensor parallel (the schedule ``--schedule`` picks, TP
+#: only), FSDP2 over both ranks, two pipeline stages (``from_hf_plan(tp=False,
+#: pipeline_stages=2)``, the layer stack of ``base_model_pp_plan`` cut in two)
+LAYOUTS = ("tp", "fsdp", "pp")
+#: the first loss of a layout against ``from_pretrained`` in one process:
+#: |a - b| <= LOAD_TOL * max(1, |b|) (fp32; the losses are cross-entropies near ln 256)
+LOAD_TOL = 1e-5
+#: the batch every layout and the reference see (the pipeline: 2 micro-batches of 2)
+LOAD_BATCH, LOAD_MICROBATCHES = 4, 2
+#: the CI subset of the loading sweep (``--ci --layouts ...``): dense with grouped KV heads
+#: (llama, mistral), biases (qwen2), a renamed head (gpt_neox: ``embed_out``), tied
+#: embeddings (gemma), q/k norms (olmo2), fused q/k/v and gate/up (phi3)
+LOAD_CI_FAMILIES = ("llama", "gpt_neox", "qwen2", "mistral", "gemma", "olmo2", "phi3")
+
+
+@dataclass
+class LoadJob:
+    """One family under one layout: where its ``save_pretrained`` folder is, the batch
+    and the first loss of ``from_pretrained`` in one process."""
+
+    family: Family
+    layout: str
+    folder: str
+    inputs: dict[str, torch.Tensor]
+    reference_loss: float
+    parameters: int
+    roundtrip_diff: float = 0.0
+
+
+def _family(item: Any) -> Family:
+    return item.family if isinstance(item, LoadJob) else item
+
+
+def _label(item: Any) -> str:
+    return f"{item.family.name} [{item.layout}]" if isinstance(item, LoadJob) else item.name
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    """The first tensor of a model's output (a ``ModelOutput`` without ``loss``: the
+    logits, or the last hidden state of a base model)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    for value in output:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list, dict)):
+            return _first_tensor(value)
+    raise TypeError(f"no tensor in the model's output ({type(output).__name__})")
+
+
+def first_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The loss every layout is compared on: next-token cross-entropy of the logits
+    against the input ids; for an output that is not logits over the ids (a base model's
+    hidden states, an image model), the mean of a fixed random projection of its last
+    dimension. Both are means over the batch, so the pipeline's mean over equal
+    micro-batches is the same number."""
+    out = _first_tensor(output).float()
+    if out.dim() == 3 and target.dim() == 2 and not target.is_floating_point() \
+            and out.shape[:2] == target.shape and int(target.max()) < out.size(-1):
+        return nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.size(-1)),
+                                           target[:, 1:].reshape(-1))
+    weights = torch.randn(out.size(-1), generator=torch.Generator().manual_seed(0))
+    return (out * weights).sum(-1).mean()
+
+
+def load_inputs(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The fixed batch of the loading sweep: :func:`example_inputs` of ``LOAD_BATCH``
+    rows without ``labels`` (the loss is :func:`first_loss`); an encoder-decoder also
+    gets the ids as its decoder's input."""
+    inputs = example_inputs(model, seed, batch=LOAD_BATCH)
+    inputs.pop("labels", None)
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in inputs and "decoder_input_ids" in params and \
+            getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs["input_ids"].clone()
+    return inputs
+
+
+def _main_input(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return inputs["input_ids"] if "input_ids" in inputs else next(iter(inputs.values()))
+
+
+def _pretrained_class(job_or_family: Any) -> type:
+    cls = model_class_of(_family(job_or_family).model_class)
+    if cls is None:
+        raise ImportError(f"{_family(job_or_family).model_class} cannot be imported")
+    return cls
+
+
+def _load_config(folder: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def prepare_load(family: Family, root: str, seed: int = 0
+                 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """In this process: build the family's tiny model, ``save_pretrained`` it into
+    ``root/<family>``, load it back with the model class's ``from_pretrained`` and take
+    its first loss on the fixed batch (eval mode). Returns a row (stage ``build``,
+    ``save`` or ``reference`` when that failed: the family does not build) and, when it
+    built, what the ranks need (``folder``, ``inputs``, ``reference_loss``)."""
+    row: dict[str, Any] = {"family": family.name, "model_class": family.model_class,
+                           "plan_in": family.plan_in, "status": "failed", "stage": "build",
+                           "culprit": "", "error": ""}
+    start = time.perf_counter()
+    try:
+        model = build_model(family, seed).eval()
+        row["parameters"] = sum(p.numel() for p in model.parameters())
+        inputs = load_inputs(model, seed)
+        target = _main_input(inputs)
+        with torch.no_grad():
+            source_loss = first_loss(model(**inputs), target).item()
+        row["stage"] = "save"
+        folder = os.path.join(root, family.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(folder)
+        del model
+        row["stage"] = "reference"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = _pretrained_class(family).from_pretrained(
+                folder, config=_load_config(folder)).eval()
+            with torch.no_grad():
+                reference_loss = first_loss(reference(**inputs), target).item()
+        if not math.isfinite(reference_loss):
+            raise FloatingPointError(f"from_pretrained's first loss is {reference_loss}")
+        row["reference_loss"] = reference_loss
+        # transformers' own round trip (not checked: the reference is from_pretrained)
+        row["roundtrip_diff"] = abs(reference_loss - source_loss)
+        row["status"], row["stage"] = "prepared", ""
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        return row, {"folder": folder, "inputs": inputs, "reference_loss": reference_loss,
+                     "parameters": row["parameters"], "roundtrip_diff": row["roundtrip_diff"]}
+    except Exception as err:  # noqa: BLE001 - a family that does not build is a row too
+        row["error"] = _first_line(err)
+        row["error_detail"] = str(err)[:2000]
+        row["error_type"] = type(err).__name__
+        row["culprit"] = _culprit(err)
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        return row, None
+
+
+def _quiet() -> None:
+    """No progress bars from save_pretrained / from_pretrained in this process, and no
+    tracebacks torch logs when a fake-tensor kernel refuses (the row has the error)."""
+    import logging
+
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    with contextlib.suppress(Exception):
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _gather_loss(loss: torch.Tensor | None) -> float:
+    """The loss of the rank that has one (a pipeline's last stage), on every rank."""
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, None if loss is None else float(loss))
+    losses = [x for x in got if x is not None]
+    if not losses:
+        raise RuntimeError("no rank returned a loss")
+    return losses[-1]
+
+
+def run_load(job: LoadJob, schedule: str = "auto") -> dict[str, Any]:
+    """One family under one layout on this rank: a meta model of the folder's config,
+    the layout's schedule, ``build(..., weights=folder)``, the first loss on the fixed
+    batch (the pipeline: ``pipe.step``'s loss, on every rank), compared with
+    ``from_pretrained``'s. The row (an exception becomes ``stage`` / ``culprit`` /
+    ``error``; warnings ``build`` gave are in ``warnings``)."""
+    import torchloom as tl
+
+    family = job.family
+    row: dict[str, Any] = {"family": family.name, "layout": job.layout,
+                           "model_class": family.model_class, "plan_in": family.plan_in,
+                           "status": "failed", "stage": "schedule", "culprit": "",
+                           "error": "", "reference_loss": job.reference_loss,
+                           "roundtrip_diff": job.roundtrip_diff}
+    _quiet()
+    start = time.perf_counter()
+    inputs = job.inputs
+    target = _main_input(inputs)
+    try:
+        config = _load_config(job.folder)
+        with tl.init_empty_weights():
+            model = _pretrained_class(job)(config)
+        model.eval()  # as from_pretrained returns it (dropout off)
+        sch = tl.create_schedule(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if job.layout == "tp":
+                from torchloom import schedules
+                from torchloom.schedules.hf_plan import from_hf_plan
+
+                if schedule == "hf_plan":
+                    from_hf_plan(sch, tp=True)
+                else:
+                    schedules.apply_schedule(sch, tp=True)
+                row["stage"] = "build"
+                built, _ = tl.build(sch, weights=job.folder)
+                row["local_share"] = round(sum(p.numel() for p in built.parameters())
+                                           / job.parameters, 3)
+            elif job.layout == "fsdp":
+                row["stage"] = "build"
+                built, _ = tl.build(sch, target="fsdp", weights=job.folder)
+            elif job.layout == "pp":
+                from torchloom.schedules.hf_plan import from_hf_plan
+
+                micro = {k: v[:LOAD_BATCH // LOAD_MICROBATCHES] for k, v in inputs.items()}
+                from_hf_plan(sch, tp=False, pipeline_stages=2, example_inputs=micro)
+                if len(inputs) != 1:  # build and step take the inputs by position
+                    raise ValueError(f"the sweep feeds a pipeline one input, not "
+                                     f"{sorted(inputs)}")
+                row["stage"] = "build"
+                built, _ = tl.build(sch, target="pipeline", schedule="1F1B",
+                                    n_microbatches=LOAD_MICROBATCHES, loss_fn=first_loss,
+                                    example_inputs=tuple(micro.values()), weights=job.folder)
+            else:
+                raise ValueError(f"unknown layout {job.layout!r}; known: {', '.join(LAYOUTS)}")
+        row["warnings"] = list(dict.fromkeys(
+            str(w.message).splitlines()[0][:200] for w in caught
+            if issubclass(w.category, UserWarning) and "eval mode" not in str(w.message)))
+        row["stage"] = "forward"
+        if job.layout == "pp":
+            loss = _gather_loss(built.step(*inputs.values(), target=target))
+        else:
+            with torch.no_grad():
+                loss = first_loss(built(**inputs), target).item()
+            _gather_loss(torch.tensor(loss))  # the ranks stay in step
+        row["loss"] = loss
+        row["stage"] = "compare"
+        diff = abs(loss - job.reference_loss)
+        row["diff"] = diff
+        if not diff <= LOAD_TOL * max(1.0, abs(job.reference_loss)):
+            raise AssertionError(
+                f"first loss {loss!r} differs from from_pretrained's {job.reference_loss!r} "
+                f"by {diff:.3g} (tolerance {LOAD_TOL:g} relative)")
+        row["status"], row["stage"] = "passed", ""
+    except Exception as err:  # noqa: BLE001 - every failure is a row of the table
+        row["error"] = _first_line(err)
+        cause = err.__cause__ or err.__context__
+        if cause is not None and len(str(err).strip().splitlines()) > 1 \
+                and "failed to run" in str(err):  # a pipeline stage's wrapper: say why
+            row["error"] = f"{row['error']} <- {_first_line(cause)}"[:400]
+            row["culprit"] = _culprit(cause)
+        row["error_detail"] = str(err)[:2000]
+        row["error_type"] = type(err).__name__
+        row["culprit"] = row.get("culprit") or _culprit(err)
+        # a pipeline step that failed on one stage leaves the other's sends and receives
+        # in flight: the next family gets two new ranks
+        row["restart"] = job.layout == "pp" and row["stage"] == "forward"
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def load_jobs(families: list[Family], layouts: list[str], root: str, seed: int = 0,
+              log: Callable[[str], None] = print
+              ) -> tuple[list[LoadJob], list[dict[str, Any]]]:
+    """:func:`prepare_load` for every family (in this process), then one job per family
+    and layout, family by family; and the rows of the families that do not build."""
+    jobs: list[LoadJob] = []
+    not_building: list[dict[str, Any]] = []
+    for i, family in enumerate(families):
+        row, ready = prepare_load(family, root, seed)
+        if ready is None:
+            not_building.append(row)
+            log(f"[prepare {i + 1}/{len(families)}] {family.name}: does not build "
+                f"({row['stage']}) {row['error'][:120]}")
+            continue
+        jobs += [LoadJob(family, layout, ready["folder"], ready["inputs"],
+                         ready["reference_loss"], ready["parameters"], ready["roundtrip_diff"])
+                 for layout in layouts]
+    return jobs, not_building
+
+
+def load_counts(rows: list[dict[str, Any]], not_building: list[dict[str, Any]],
+                layouts: list[str]) -> dict[str, Any]:
+    """Per layout: passed of the families that build, and the failures by stage."""
+    building = sorted({r["family"] for r in rows})
+    out: dict[str, Any] = {"families": len(building) + len(not_building),
+                           "building": len(building), "not_building": len(not_building)}
+    for layout in layouts:
+        mine = [r for r in rows if r.get("layout") == layout]
+        failed = [r for r in mine if r["status"] != "passed"]
+        by_stage: dict[str, int] = {}
+        for r in failed:
+            by_stage[r["stage"]] = by_stage.get(r["stage"], 0) + 1
+        out[layout] = {"passed": len(mine) - len(failed), "failed": len(failed),
+                       "of": len(mine), "failed_by_stage": by_stage}
+    out["all_layouts"] = sum(
+        1 for name in building
+        if all(r["status"] == "passed" for r in rows if r["family"] == name))
+    return out
+
+
+LAYOUT_NAMES = {"tp": "TP 2", "fsdp": "FSDP 2", "pp": "PP 2"}
+
+
+def load_markdown(rows: list[dict[str, Any]], not_building: list[dict[str, Any]],
+                  layouts: list[str], header: str = "") -> str:
+    """The loading sweep's counts, its table family x layout, every failure with its
+    reason, and the families that do not build."""
+    c = load_counts(rows, not_building, layouts)
+    lines = [header] if header else []
+    lines += [
+        f"Each family's tiny model is written with `save_pretrained`; on 2 gloo ranks a meta "
+        f"copy (`tl.init_empty_weights()`, the model class from the folder's config) is "
+        f"loaded with `tl.build(sch, ..., weights=folder)` under each layout and its first "
+        f"loss (eval mode, a fixed batch of {LOAD_BATCH} x {SEQ} tokens, before any step; "
+        f"the pipeline: `pipe.step`'s loss over {LOAD_MICROBATCHES} micro-batches) is "
+        f"compared with the model class's `from_pretrained` in one process (within "
+        f"{LOAD_TOL:g} relative, fp32).",
+        "",
+        "; ".join(f"**{LAYOUT_NAMES[k]}: {c[k]['passed']} of {c[k]['of']} pass**"
+                  for k in layouts)
+        + f" ({c['building']} families build; {c['all_layouts']} pass every layout); "
+        f"{c['not_building']} do not build, save or load from a tiny config.",
+        "",
+        "| family | model class | " + " | ".join(LAYOUT_NAMES[k] for k in layouts) + " |",
+        "|---|---|" + "---|" * len(layouts),
+    ]
+    by_family: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_family.setdefault(r["family"], {})[r.get("layout", "")] = r
+    for name in sorted(by_family):
+        cells = []
+        for k in layouts:
+            r = by_family[name].get(k)
+            cells.append("-" if r is None else "passed" if r["status"] == "passed"
+                         else f"failed ({r.get('stage', '')})")
+        model_class = next(iter(by_family[name].values())).get("model_class", "")
+        lines.append("| " + " | ".join(_cell(x) for x in (name, model_class, *cells)) + " |")
+    failed = [r for r in rows if r["status"] != "passed"]
+    lines += ["", f"Failures ({len(failed)}):", "",
+              "| family | layout | failed at | where | error |", "|---|---|---|---|---|"]
+    for r in sorted(failed, key=lambda r: (r["family"], layouts.index(r["layout"])
+                                           if r.get("layout") in layouts else 0)):
+        lines.append("| " + " | ".join(_cell(x) for x in (
+            r["family"], LAYOUT_NAMES.get(r.get("layout", ""), r.get("layout", "")),
+            r.get("stage", ""), r.get("culprit", ""), r.get("error", ""))) + " |")
+    warned = [r for r in rows if r.get("warnings")]
+    if warned:
+        lines += ["", "Warnings `build` gave:", ""] + [
+            f"- {r['family']} [{r['layout']}]: " + "; ".join(_cell(w) for w in r["warnings"])
+            for r in warned]
+    if not_building:
+        lines += ["", f"Do not build ({len(not_building)}):", "",
+                  "| family | model class | failed at | error |", "|---|---|---|---|"]
+        for r in sorted(not_building, key=lambda r: r["family"]):
+            lines.append("| " + " | ".join(_cell(x) for x in (
+                r["family"], r.get("model_class", ""), r.get("stage", ""),
+                r.get("error", ""))) + " |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------- the launcher
 
 
@@ -809,9 +1186,10 @@ def _inject(kind: str) -> None:
     raise RuntimeError(f"{FAULT_ENV}: injected failure")
 
 
-def _rank_main(rank: int, port: int, families: list[Family], args: argparse.Namespace,
+def _rank_main(rank: int, port: int, families: list[Any], args: argparse.Namespace,
                results: Any, conn: Any) -> None:
-    """One rank: every family in order, each after the launcher's go."""
+    """One rank: every family (or :class:`LoadJob`) in order, each after the launcher's
+    go."""
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
@@ -825,9 +1203,12 @@ def _rank_main(rank: int, port: int, families: list[Family], args: argparse.Name
         for index, family in enumerate(families):
             if index and conn.recv() != "go":
                 break
-            if fault.startswith(f"{family.name}:{rank}:"):
+            if fault.startswith(f"{_family(family).name}:{rank}:"):
                 _inject(fault.rsplit(":", 1)[1])
-            row = run_family(family, args.schedule, not args.no_sp, args.seed)
+            if isinstance(family, LoadJob):
+                row = run_load(family, args.schedule)
+            else:
+                row = run_family(family, args.schedule, not args.no_sp, args.seed)
             results.put((rank, index, row))
     finally:
         dist.destroy_process_group()
@@ -841,6 +1222,8 @@ def _merge(rows: list[dict[str, Any] | None]) -> tuple[dict[str, Any], bool]:
         return row, False
     if all(r["status"] == "passed" for r in present):
         return present[0], True
+    if any(r.get("restart") for r in present):
+        return next(r for r in present if r["status"] != "passed"), False
     failed = [r for r in present if r["status"] != "passed"]
     # the root cause: a rank's own error rather than a collective that lost its peer
     failed.sort(key=lambda r: ("Collective" in r.get("error_type", "")
@@ -851,9 +1234,9 @@ def _merge(rows: list[dict[str, Any] | None]) -> tuple[dict[str, Any], bool]:
     return failed[0], agree
 
 
-def sweep(families: list[Family], args: argparse.Namespace,
+def sweep(families: list[Any], args: argparse.Namespace,
           log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run ``families`` on two ranks; the merged rows in order."""
+    """Run ``families`` (or :class:`LoadJob` s) on two ranks; the merged rows in order."""
     from torchloom.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
@@ -892,17 +1275,20 @@ def sweep(families: list[Family], args: argparse.Namespace,
                 dead = [r for r in missing if not procs[r].is_alive()]
                 why = (f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})" if dead
                        else f"timed out after {args.timeout:g} s")
-                row = {**(row or {}), "family": family.name,
-                       "model_class": family.model_class, "plan_in": family.plan_in,
+                fam = _family(family)
+                row = {**(row or {}), "family": fam.name,
+                       "model_class": fam.model_class, "plan_in": fam.plan_in,
                        "status": "failed", "stage": (row or {}).get("stage") or "timeout",
                        "error": (row or {}).get("error") or why, "culprit":
                        (row or {}).get("culprit", "")}
+                if isinstance(family, LoadJob):
+                    row["layout"] = family.layout
                 row["error"] = row["error"] + f" [{why}]" if why not in row["error"] else \
                     row["error"]
             rows.append(row)
             done = index + 1
             mark = "ok" if row["status"] == "passed" else f"FAILED ({row['stage']})"
-            log(f"[{len(rows)}/{len(families)}] {family.name}: {mark} "
+            log(f"[{len(rows)}/{len(families)}] {_label(family)}: {mark} "
                 f"{row.get('seconds', '')}s {row.get('error', '')[:120]}")
             if not agree:
                 restart = done < len(pending)
@@ -932,7 +1318,7 @@ def sweep(families: list[Family], args: argparse.Namespace,
 # ----------------------------------------------------------------------- the report
 
 #: stages at which the unscheduled tiny model itself failed: not torchloom's failures
-NOT_BUILDING = ("build", "reference")
+NOT_BUILDING = ("build", "save", "reference")
 
 
 def counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1005,7 +1391,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--families", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="comma-separated config keys (model_type), e.g. llama,qwen2,mixtral")
     p.add_argument("--ci", action="store_true",
-                   help=f"the fixed CI subset: {','.join(CI_FAMILIES)}")
+                   help=f"the fixed CI subset: {','.join(CI_FAMILIES)} (with --layouts: "
+                   f"{','.join(LOAD_CI_FAMILIES)})")
+    p.add_argument("--layouts", type=_layouts, metavar="tp,fsdp,pp",
+                   help="instead of training at TP=2: load each family's save_pretrained "
+                   "folder into a meta model with build(weights=) under these layouts and "
+                   "compare the first loss with from_pretrained in one process")
     p.add_argument("--limit", type=int, help="only the first N families")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one family may take (and the collective timeout)")
@@ -1021,11 +1412,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _layouts(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown layout(s) {', '.join(unknown) or repr(text)}; known: {','.join(LAYOUTS)}")
+    return list(dict.fromkeys(names))
+
+
 def select(args: argparse.Namespace) -> tuple[list[Family], list[dict[str, str]]]:
     """The families the arguments ask for (unknown names are an error)."""
     families, skipped = discover()
     if args.ci and not args.families:
-        args.families = list(CI_FAMILIES)
+        args.families = list(LOAD_CI_FAMILIES if args.layouts else CI_FAMILIES)
     if args.families:
         known = {f.name: f for f in families}
         unknown = [n for n in args.families if n not in known]
@@ -1049,6 +1449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for f in families:
             print(f"{f.name:32} {f.model_class:44} plan in {f.plan_in}")
         return {"families": [dataclasses.asdict(f) for f in families]}
+    if args.layouts:
+        return main_load(args, families, skipped, argv)
     start = time.perf_counter()
     rows = sweep(families, args, log=lambda s: print(s, file=sys.stderr, flush=True))
     elapsed = time.perf_counter() - start
@@ -1066,6 +1468,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                           "transformers": transformers.__version__,
                           "python": platform.python_version(), "threads": args.threads},
+              "launches": max((r.get("launches", 1) for r in rows), default=0)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return result
+
+
+def _machine(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    return {"cpus": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "threads": args.threads}
+
+
+def main_load(args: argparse.Namespace, families: list[Family],
+              skipped: list[dict[str, str]], argv: list[str] | None) -> dict[str, Any]:
+    """``--layouts``: the loading sweep (see :func:`run_load`); ``{"rows", "counts",
+    "not_building", ...}``."""
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the ranks inherit it
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _quiet()
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="zoo_load_") as root:
+        jobs, not_building = load_jobs(families, args.layouts, root, args.seed, log)
+        prepared = time.perf_counter() - start
+        log(f"prepared {len(families)} families in {prepared:.0f} s "
+            f"({len(not_building)} do not build); {len(jobs)} jobs on {WORLD} ranks")
+        rows = sweep(jobs, args, log=log) if jobs else []
+    elapsed = time.perf_counter() - start
+    command = "python benchmarks/zoo_sweep.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    m = _machine(args)
+    header = (f"torchloom zoo loading sweep, {', '.join(LAYOUT_NAMES[k] for k in args.layouts)} "
+              f"on gloo (CPU), TP schedule={args.schedule}: {len(families)} families in "
+              f"{elapsed / 60:.1f} min ({prepared / 60:.1f} min of it preparing the folders "
+              f"and references in one process) on {m['cpus']} CPUs, {args.threads} "
+              f"thread(s) per rank; torch {m['torch']}, transformers {m['transformers']}, "
+              f"Python {m['python']}; `{command.strip()}`\n")
+    text = load_markdown(rows, not_building, args.layouts, header)
+    if skipped:
+        text += "\n\n" + f"Not run ({len(skipped)}): " + "; ".join(
+            f"{s['family']} ({s['reason']})" for s in skipped)
+    print(text)
+    result = {"rows": rows, "not_building": not_building,
+              "counts": load_counts(rows, not_building, args.layouts),
+              "layouts": args.layouts, "skipped": skipped, "seconds": round(elapsed, 1),
+              "prepare_seconds": round(prepared, 1), "command": command.strip(),
+              "machine": m,
               "launches": max((r.get("launches", 1) for r in rows), default=0)}
     if args.json:
         with open(args.json, "w") as f:

@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ScheduleMismatchError
-from ..core.meta import shard_spec
 from .collectives import guard_collective
 
 if TYPE_CHECKING:
@@ -110,14 +109,16 @@ _SCALARS = (bool, int, float, str, type(None))
 
 def _rank_free(module: nn.Module) -> bool:
     """Whether ``module``'s printed form and attributes are the same on every rank that
-    configured it the same way: torch's and transformers' layers whose own tensors are
-    whole. torchloom's own ops, and layers with a sharded tensor, print and hold their
-    rank's slice (a vocabulary-parallel embedding's rows, a localised ``padding_idx``);
-    their shapes are compared instead."""
+    configured it the same way: torch's and transformers' layers without tensors of their
+    own (dropout, activations, containers). torchloom's own ops and layers with tensors
+    may print and hold their rank's slice (a vocabulary-parallel embedding's rows, a
+    localised ``padding_idx``); their shapes are compared instead."""
     if type(module).__module__.startswith("torchloom."):
         return False
-    return not any(t is not None and shard_spec(t) is not None
-                   for t in (*module._parameters.values(), *module._buffers.values()))
+    # a layer with tensors of its own is compared by its shapes: its printed fields may be
+    # its rank's (a localised padding_idx, even where the shard spec sits on a tied tensor)
+    return not any(t is not None for t in (*module._parameters.values(),
+                                           *module._buffers.values()))
 
 
 def _layer_text(module: nn.Module) -> str:
