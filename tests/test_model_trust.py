@@ -233,3 +233,17 @@ def test_finite_weights_of_another_float_dtype_still_load(tmp_path):
     folder = _weights(tmp_path, weight.to(torch.bfloat16))
     model, _ = tl.build(_meta_linear(), weights=folder)
     assert torch.equal(model[0].weight, weight.to(torch.bfloat16).float())
+
+
+def test_per_layer_size_lists_are_accepted_and_checked_item_by_item() -> None:
+    """Gemma 3n's intermediate_size is one size per layer: a list of positive sizes is a
+    valid config (the zoo sweep found it refused), a zero inside it is not."""
+    from torchloom.runtime.model_check import check_config_sizes
+
+    config = transformers.Gemma3nTextConfig(hidden_size=64, num_hidden_layers=2,
+                                            intermediate_size=[128, 128])
+    check_config_sizes(config)
+    config.intermediate_size = [128, 0]
+    with pytest.raises(ModelConfigError, match=r"intermediate_size is \[128, 0\]; a size must "
+                       r"be a positive integer"):
+        check_config_sizes(config)

@@ -83,8 +83,8 @@ def _fields(config: Any) -> dict[str, Any]:
 def check_config_sizes(config: Any, *, source: str | None = None,
                        primitive: str = "build", _prefix: str = "") -> None:
     """Every :data:`SIZE_FIELDS` entry of ``config`` (a transformers config, or anything
-    with those attributes; sub-configs such as ``text_config`` too) is a positive integer
-    or None; else a :class:`ModelConfigError` naming the field, its value and ``source``
+    with those attributes; sub-configs such as ``text_config`` too) is a positive integer,
+    a non-empty list of them (one per layer) or None; else a :class:`ModelConfigError` naming the field, its value and ``source``
     (the file or class it came from)."""
     if config is None:
         return
@@ -96,8 +96,9 @@ def check_config_sizes(config: Any, *, source: str | None = None,
         value = fields[name]
         if value is None:
             continue
-        good = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if not good:
+        items = value if isinstance(value, (list, tuple)) and value else [value]
+        good = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items)
+        if not good:  # (a list: one size per layer, as Gemma 3n's intermediate_size)
             field = _prefix + name
             raise ModelConfigError(
                 f"the model config's {field} is {value!r}; a size must be a positive integer",
