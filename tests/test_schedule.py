@@ -184,6 +184,7 @@ _CALLS = {
     "compile": ("2", ("eager",), {}),
     "cut_pipeline_stage": ("0", (), {}),
     "decompose": ("0", (), {}),
+    "divide_attrs": ("0", ("in_features",), {}),
     "fork_rng": ("1", (), {}),
     "fuse": ("", ([],), {}),
     "replace": ("1", (nn.ReLU(),), {}),

@@ -203,6 +203,10 @@ def test_a_schedule_registered_for_the_users_class_takes_tp(tmp_path, monkeypatc
             return RegisteredLM()
     '''))
     monkeypatch.chdir(tmp_path)
+    from torchloom.schedules import _REGISTRY
+
+    # the file registers a schedule globally: undone after the test
+    monkeypatch.setattr("torchloom.schedules._REGISTRY", dict(_REGISTRY))
     cfg = TrainConfig(model="tp_model.py:make", tp=2, steps=1, batch_size=2, seq_len=16)
     T.check_config(cfg)  # not refused: the class has a schedule taking tp
     assert T.schedule_source(T.meta_model(cfg)) == "built-in schedule_registered"
