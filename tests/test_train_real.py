@@ -269,8 +269,9 @@ def test_a_pipeline_with_data_parallelism_checkpoints_and_resumes(workspace, tmp
               *COMMON, "--batch-size", "8", "--clip-grad", "1e9"]
     # the stages checkpoint half their layers (applied after the cut: tracing stops at
     # checkpointed layers)
-    args = [*common, "--pp", "2", "--n-microbatches", "2", "--dp", "2", "--ckpt-ratio", "0.5",
-            "--save-dir", str(tmp_path / "pp")]
+    # and accumulate gradients: 1 micro-batch x 2 accumulated = 2 micro-batches a step
+    args = [*common, "--pp", "2", "--n-microbatches", "1", "--grad-accum", "2", "--dp", "2",
+            "--ckpt-ratio", "0.5", "--save-dir", str(tmp_path / "pp")]
     single = _subprocess(tmp_path, "single", *common)
     first = _subprocess(tmp_path, "first", *args, "--stop-after", "2")
     assert sorted(p.name for p in (tmp_path / "pp").iterdir()) == ["stage-0", "stage-1"]

@@ -70,10 +70,6 @@ def option_sp_without_tp():
     TrainConfig(sequence_parallel=True)
 
 
-def option_grad_accum_with_pp():
-    TrainConfig(pp=2, grad_accum=2, batch_size=16)
-
-
 def option_bf16_with_pp():
     TrainConfig(pp=2, dtype="bf16")
 
@@ -193,9 +189,6 @@ CASES: list[tuple[Callable, type, str]] = [
     (option_sp_without_tp, TrainOptionError,
      r"--sp: sequence parallelism needs --tp 2 or more.*values: sequence_parallel=True, "
      r"tp=1" + _FIX + r"--tp 2 --sp, or leave --sp out"),
-    (option_grad_accum_with_pp, TrainOptionError,
-     r"--grad-accum with --pp: a pipeline already accumulates over its micro-batches" + _FIX
-     + r"--n-microbatches 8 instead of --grad-accum 2"),
     (option_bf16_with_pp, TrainOptionError,
      r"--dtype bf16 with --pp: the pipeline's send and receive buffers are sized in fp32"),
     (option_fsdp_with_save_dir, TrainOptionError,

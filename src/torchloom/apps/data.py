@@ -472,8 +472,9 @@ def rank_batches(tokens: torch.Tensor, step: int, *, batch_size: int, seq_len: i
     (1-based), exactly as ``torchloom train`` draws them, to check a baseline against:
     the step's ``batch_size`` windows (:func:`window_batch` of the training tokens), this
     rank's ``batch_size / dp`` consecutive rows of them, cut into ``grad_accum`` equal
-    micro-batches. A pipeline takes the rank's rows whole (its micro-batches are the
-    pipeline's). Labels are the ids themselves (the model shifts them).
+    micro-batches. A pipeline takes the rank's rows whole and cuts them into
+    ``n_microbatches x grad_accum`` micro-batches of one step. Labels are the ids
+    themselves (the model shifts them).
 
     >>> tokens = torch.arange(1000, dtype=torch.uint8)
     >>> parts = rank_batches(tokens, 1, batch_size=8, seq_len=4, seed=0, dp=2, dp_rank=1,

@@ -356,12 +356,6 @@ def _check_combinations(c: TrainConfig) -> None:
             "--sp: sequence parallelism needs --tp 2 or more", primitive=PRIMITIVE,
             values={"sequence_parallel": True, "tp": c.tp},
             fix="--tp 2 --sp, or leave --sp out (in a TOML file: sequence_parallel = false)")
-    if c.pp > 1 and c.grad_accum > 1:
-        raise TrainOptionError(
-            "--grad-accum with --pp: a pipeline already accumulates over its micro-batches",
-            primitive=PRIMITIVE, values={"grad_accum": c.grad_accum, "pp": c.pp},
-            fix=f"--n-microbatches {c.n_microbatches * c.grad_accum} instead of --grad-accum "
-            f"{c.grad_accum}")
     if c.pp > 1 and c.dtype == "bf16":
         raise TrainOptionError(
             "--dtype bf16 with --pp: the pipeline's send and receive buffers are sized in fp32 "

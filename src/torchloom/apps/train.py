@@ -304,7 +304,10 @@ def layout_text(cfg: TrainConfig) -> str:
     if cfg.tp > 1:
         parts.append(f"tp{cfg.tp}{'+sp' if cfg.sequence_parallel else ''}")
     if cfg.pp > 1:
-        parts.append(f"pp{cfg.pp} (1F1B, {cfg.n_microbatches} micro-batches)")
+        accum = f" = {cfg.n_microbatches} x {cfg.grad_accum} accumulated" \
+            if cfg.grad_accum > 1 else ""
+        parts.append(f"pp{cfg.pp} (1F1B, {cfg.n_microbatches * cfg.grad_accum} "
+                     f"micro-batches{accum})")
     if cfg.dp > 1:
         parts.append(f"dp{cfg.dp} ({cfg.dp_mode})")
     text = " x ".join(parts) or "one rank"
@@ -993,7 +996,11 @@ class _Run:
         if cfg.model_kind != "zoo":
             torch.manual_seed(cfg.seed)
         pipe, _ = build(sch, target="pipeline", mesh=self.mesh, schedule="1F1B",
-                        n_microbatches=cfg.n_microbatches, loss_fn=next_token_loss,
+                        # gradient accumulation under a pipeline: more micro-batches in
+                        # the same 1F1B step (equal to accumulating, and 1F1B keeps at
+                        # most pp of them in flight, so no more activation memory)
+                        n_microbatches=cfg.n_microbatches * cfg.grad_accum,
+                        loss_fn=next_token_loss,
                         example_inputs=(micro,), device=self.device, weights=weights,
                         strict=not cfg.allow_missing)
         tied = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
