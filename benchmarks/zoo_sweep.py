@@ -1465,16 +1465,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(text)
     result = {"rows": rows, "counts": counts(rows), "skipped": skipped,
               "seconds": round(elapsed, 1), "command": command.strip(),
-              "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                          "transformers": transformers.__version__,
-                          "python": platform.python_version(), "threads": args.threads},
+              "machine": _machine(args),
               "launches": max((r.get("launches", 1) for r in rows), default=0)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    _write_results(args, result, text)
     return result
 
 
@@ -1484,6 +1477,16 @@ def _machine(args: argparse.Namespace) -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "threads": args.threads}
+
+
+def _write_results(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
+    """``--json`` and ``--markdown`` outputs of a sweep."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
 
 
 def main_load(args: argparse.Namespace, families: list[Family],
@@ -1524,12 +1527,7 @@ def main_load(args: argparse.Namespace, families: list[Family],
               "prepare_seconds": round(prepared, 1), "command": command.strip(),
               "machine": m,
               "launches": max((r.get("launches", 1) for r in rows), default=0)}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    _write_results(args, result, text)
     return result
 
 

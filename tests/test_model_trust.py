@@ -138,8 +138,10 @@ def test_the_train_estimate_divides_by_the_sharding(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "check_fits", lambda need, *a, **k: seen.append(need))
     config = transformers.AutoConfig.from_pretrained(_config_file(tmp_path))
     for tp, dp, mode in ((1, 1, "ddp"), (2, 1, "ddp"), (1, 2, "fsdp")):
-        T._check_memory(TrainConfig(model=_config_file(tmp_path), tp=tp, dp=dp, dp_mode=mode,
-                                    batch_size=4), config)
+        cfg = TrainConfig(model=_config_file(tmp_path), tp=tp, dp=dp, dp_mode=mode,
+                          batch_size=4)
+        with torch.device("meta"):
+            T._check_memory(cfg, T._from_config(cfg, config))
     # one rank: 4 copies of the parameters; tp 2: half per rank, 2 ranks here; fsdp alike
     assert seen[0] > 0 and seen[1] == seen[0] and seen[2] == seen[0]
 

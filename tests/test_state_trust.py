@@ -772,6 +772,6 @@ def test_an_unwritable_save_directory_is_refused_before_training(tmp_path, monke
     monkeypatch.undo()
     S.check_writable(tmp_path / "ro" / "run")
     assert os.listdir(tmp_path / "ro") == []
-    if os.path.isdir("/sys") and S._writable_problem("/sys/torchloom-run") is not None:
+    if os.path.isdir("/sys") and S.writable_problem("/sys/torchloom-run") is not None:
         with pytest.raises(S.CheckpointIOError, match=r"cannot create a file in '/sys'"):
             S.check_writable("/sys/torchloom-run")  # a real failure, even as root

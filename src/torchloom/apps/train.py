@@ -75,7 +75,6 @@ from ..runtime.rng import get_rng_tracker, set_random_seed
 from ..runtime.state import (
     CheckpointIOError,
     CheckpointMismatchError,
-    _writable_problem,
     check_save_dir,
     check_writable,
     describe_dir,
@@ -83,6 +82,7 @@ from ..runtime.state import (
     list_checkpoints,
     load_checkpoint,
     save,
+    writable_problem,
 )
 from ..schedules import zoo
 from ..tools import usercode
@@ -450,10 +450,12 @@ def check_config(cfg: TrainConfig) -> None:
         config = _hf_config(cfg)  # its sizes are positive integers
         _hf_positions(cfg, config)
     _check_device(cfg)
-    if cfg.model_kind != "zoo":
-        _check_memory(cfg, config)  # before meta_model, which allocates its buffers
+    if config is not None:  # on the meta device: before meta_model, which allocates buffers
+        with torch.device("meta"):
+            _check_memory(cfg, _from_config(cfg, config))
     model = meta_model(cfg)
-    if cfg.model_kind == "code":  # one forward on values without data: ids -> logits
+    if cfg.model_kind == "code":  # made once: its memory, then one forward without data
+        _check_memory(cfg, model)
         usercode.check_contract(model, cfg.model, cfg.seq_len)
     _check_model(cfg, model)
     _check_data(cfg, load_data(cfg), int(model.get_input_embeddings().num_embeddings))
@@ -504,24 +506,14 @@ AdamW's two states (all of the parameters' dtype): the steady part of the planne
 per-rank memory, activations left out (so the estimate is a lower bound)."""
 
 
-def _check_memory(cfg: TrainConfig, config: Any | None) -> None:
+def _check_memory(cfg: TrainConfig, model: nn.Module) -> None:
     """The run's parameters, gradients and AdamW states per rank (divided by the layout's
     sharding: tp, pp, and dp under FSDP) fit the memory available now: on --device cpu
     times the ranks on this machine, against ``MemAvailable``; on cuda against the free
-    memory of this rank's GPU. Counted on a model made entirely on the meta device
-    (nothing allocated); a folder or config model only (a zoo model's sizes are fixed), or a
-    code model (``config`` None: its factory run under ``init_empty_weights``)."""
-    if config is None:
-        model = meta_model(cfg)
-    else:
-        with torch.device("meta"):
-            model = _from_config(cfg, config)
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    memory of this rank's GPU. Counted on ``model`` made without allocating (a folder or
+    config model made entirely on the meta device, a code model's factory run under
+    ``init_empty_weights``); a zoo model's sizes are fixed and not checked."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     shards = cfg.tp * cfg.pp * (cfg.dp if cfg.dp_mode == "fsdp" else 1)
     per_rank = ADAMW_COPIES * total // shards
     if cfg.device == "cpu":
@@ -589,7 +581,7 @@ def _check_outputs(cfg: TrainConfig) -> None:
                 primitive=_PRIMITIVE, values=problem.values,
                 fix="--save-pretrained runs/exported (a new or empty folder, or one holding "
                 "only a previous save_pretrained output)")
-        unwritable = _writable_problem(os.path.normpath(cfg.save_pretrained))
+        unwritable = writable_problem(os.path.normpath(cfg.save_pretrained))
         if unwritable is not None:  # a read-only disk fails now, not after the training
             raise TrainOptionError(
                 f"--save-pretrained {cfg.save_pretrained!r} cannot be written: {unwritable}",

@@ -64,7 +64,6 @@ from .refs import (
     check_reference_places,
     check_trusted,
     import_ref,
-    is_dotted,
     is_dunder,
     ref_of,
     resolve_ref,
@@ -98,14 +97,6 @@ _DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
 
-_Refused = Refused
-_short_repr = short_repr
-_is_dotted = is_dotted
-_is_dunder = is_dunder
-_check_trusted = check_trusted
-_resolve = resolve_untrusted
-
-
 # --------------------------------------------------------------------------- values
 
 
@@ -129,7 +120,7 @@ def _encode(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
         if not all(type(k) is str for k in value):
             raise _Unserialisable(value)
-        if any(_is_dunder(k) for k in value):
+        if any(is_dunder(k) for k in value):
             raise _Unserialisable(value)
         return {k: _encode(v, depth + 1) for k, v in value.items()}
     ref = ref_of(value)
@@ -139,46 +130,46 @@ def _encode(value: Any, depth: int = 0) -> Any:
 
 
 def _decode(value: Any, resolve: Callable[[str], Any], depth: int = 0) -> Any:
-    """A JSON value back to Python; raises ``_Refused`` for anything ``_encode`` does not
+    """A JSON value back to Python; raises ``Refused`` for anything ``_encode`` does not
     write, for nesting deeper than ``MAX_DEPTH``, and for untrusted references."""
     if depth > MAX_DEPTH:
-        raise _Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
+        raise Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
                        {"max_depth": MAX_DEPTH}, "flatten the argument")
     if value is None or type(value) in (bool, int, float, str):
         return value
     if type(value) is list:
         return [_decode(v, resolve, depth + 1) for v in value]
     if type(value) is not dict:
-        raise _Refused(f"a {type(value).__name__} is not a recipe value", {},
+        raise Refused(f"a {type(value).__name__} is not a recipe value", {},
                        "write the recipe with sch.recipe.to_json()")
-    special = [k for k in value if _is_dunder(k)]
+    special = [k for k in value if is_dunder(k)]
     if not special:
         return {k: _decode(v, resolve, depth + 1) for k, v in value.items()}
     if len(value) != 1:
-        raise _Refused(f"the special key {special[0]!r} must be alone in its object",
+        raise Refused(f"the special key {special[0]!r} must be alone in its object",
                        {"keys": sorted(value)[:8]}, "write the recipe with sch.recipe.to_json()")
     key, inner = special[0], value[special[0]]
     if key == "__dtype__":
         if not isinstance(inner, str) or inner not in _DTYPES:
-            raise _Refused(f"unknown dtype {_short_repr(inner)}", {"dtype": _short_repr(inner)},
+            raise Refused(f"unknown dtype {short_repr(inner)}", {"dtype": short_repr(inner)},
                            "use a torch dtype name, e.g. {'__dtype__': 'float16'}")
         return _DTYPES[inner]
     if key == "__tuple__":
         if type(inner) is not list:
-            raise _Refused("'__tuple__' must hold a list", {"value": _short_repr(inner)},
+            raise Refused("'__tuple__' must hold a list", {"value": short_repr(inner)},
                            "write {'__tuple__': [1, 2]}")
         return tuple(_decode(v, resolve, depth + 1) for v in inner)
     if key == "__ref__":
         return resolve(inner)
-    raise _Refused(f"unknown special key {key!r}", {"key": key},
+    raise Refused(f"unknown special key {key!r}", {"key": key},
                    "use only '__dtype__', '__tuple__' and '__ref__'")
 
 
 def _check_depth(value: Any, depth: int = 0) -> None:
-    """Raise ``_Refused`` when an in-memory argument nests deeper than ``MAX_DEPTH``
+    """Raise ``Refused`` when an in-memory argument nests deeper than ``MAX_DEPTH``
     (a list that contains itself, say)."""
     if depth > MAX_DEPTH:
-        raise _Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
+        raise Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
                        {"max_depth": MAX_DEPTH}, "flatten the argument")
     if isinstance(value, (list, tuple)):
         for v in value:
@@ -221,33 +212,33 @@ def _python(value: Any, imports: set[str], depth: int = 0) -> str:
 
 
 def _check_fields(primitive: Any, path: Any, args: Any, kwargs: Any) -> None:
-    """Raise ``_Refused`` unless the fields make a call a recipe may hold: a registered
+    """Raise ``Refused`` unless the fields make a call a recipe may hold: a registered
     primitive, a string path, a list or tuple of arguments, keywords that are public
     Python identifiers."""
     from .registry import list_primitives
 
     names = list_primitives()
     if not isinstance(primitive, str) or primitive not in names:
-        raise _Refused(f"unknown primitive {_short_repr(primitive)}",
+        raise Refused(f"unknown primitive {short_repr(primitive)}",
                        {"primitive": _shown(primitive)},
                        f"use one of the primitives: {', '.join(names)}")
     if not isinstance(path, str):
-        raise _Refused(f"the path must be a string, not a {type(path).__name__}",
+        raise Refused(f"the path must be a string, not a {type(path).__name__}",
                        {"primitive": primitive, "path": _shown(path)},
                        "write the schedule path as a string, e.g. 'transformer.h.0.mlp'")
     if not isinstance(args, (list, tuple)):
-        raise _Refused(f"args of {primitive} must be a list, not a {type(args).__name__}",
-                       {"primitive": primitive, "args": _short_repr(args)},
-                       f"wrap the arguments in a list, e.g. \"args\": [{_short_repr(args)}]")
+        raise Refused(f"args of {primitive} must be a list, not a {type(args).__name__}",
+                       {"primitive": primitive, "args": short_repr(args)},
+                       f"wrap the arguments in a list, e.g. \"args\": [{short_repr(args)}]")
     if not isinstance(kwargs, dict):
-        raise _Refused(f"kwargs of {primitive} must be an object (a dict), not a "
+        raise Refused(f"kwargs of {primitive} must be an object (a dict), not a "
                        f"{type(kwargs).__name__}",
-                       {"primitive": primitive, "kwargs": _short_repr(kwargs)},
+                       {"primitive": primitive, "kwargs": short_repr(kwargs)},
                        "write keywords as an object, e.g. \"kwargs\": {\"ratio\": 0.5}")
     for name in kwargs:
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) \
-                or _is_dunder(name):
-            raise _Refused(f"{_short_repr(name)} is not a keyword {primitive} can take",
+                or is_dunder(name):
+            raise Refused(f"{short_repr(name)} is not a keyword {primitive} can take",
                            {"primitive": primitive, "keyword": _shown(name)},
                            "use the keyword names of the primitive's signature")
 
@@ -277,7 +268,7 @@ class RecipeEntry:
     def __post_init__(self) -> None:
         try:
             _check_fields(self.primitive, self.path, self.args, self.kwargs)
-        except _Refused as exc:
+        except Refused as exc:
             raise RecipeError(exc.problem, primitive="RecipeEntry", values=exc.values,
                               fix=exc.fix) from None
         if not isinstance(self.args, tuple):
@@ -317,7 +308,7 @@ class RecipeEntry:
         """
         try:
             return _entry_from_data(data, trusted_refs, trust_code)
-        except _Refused as exc:
+        except Refused as exc:
             raise RecipeError(exc.problem, primitive="RecipeEntry.from_data",
                               values=exc.values, fix=exc.fix) from None
 
@@ -328,26 +319,26 @@ _ENTRY_KEYS = ("primitive", "path", "args", "kwargs")
 def _entry_from_data(data: Any, trusted_refs: Mapping[str, Any] | None,
                      trust_code: bool) -> RecipeEntry:
     if type(data) is not dict:
-        raise _Refused(f"an entry must be an object, not a {type(data).__name__}",
-                       {"entry": _short_repr(data)},
+        raise Refused(f"an entry must be an object, not a {type(data).__name__}",
+                       {"entry": short_repr(data)},
                        'write {"primitive": ..., "path": ..., "args": [...], "kwargs": {...}}')
     unknown = sorted(k for k in data if k not in _ENTRY_KEYS)
     missing = [k for k in ("primitive", "path") if k not in data]
     if unknown or missing:
         problem = (f"unknown field {unknown[0]!r}" if unknown
                    else f"the entry has no {missing[0]!r}")
-        raise _Refused(f"{problem} in an entry", {"fields": sorted(map(str, data))[:8]},
+        raise Refused(f"{problem} in an entry", {"fields": sorted(map(str, data))[:8]},
                        f"an entry has the fields {', '.join(_ENTRY_KEYS)}")
     primitive, path = data["primitive"], data["path"]
     args, kwargs = data.get("args", []), data.get("kwargs", {})
     _check_fields(primitive, path, args, kwargs)
     if type(args) is not list:
-        raise _Refused(f"args of {primitive} must be a list, not a {type(args).__name__}",
-                       {"primitive": primitive, "args": _short_repr(args)},
+        raise Refused(f"args of {primitive} must be a list, not a {type(args).__name__}",
+                       {"primitive": primitive, "args": short_repr(args)},
                        "write the arguments as a list")
 
     def resolve(ref: Any) -> Any:
-        return _resolve(ref, trusted_refs, trust_code)
+        return resolve_untrusted(ref, trusted_refs, trust_code)
 
     decoded_args = tuple(_decode(a, resolve) for a in args)
     decoded_kwargs = {k: _decode(v, resolve) for k, v in kwargs.items()}
@@ -357,7 +348,7 @@ def _entry_from_data(data: Any, trusted_refs: Mapping[str, Any] | None,
 
 def _check_places(primitive: str, args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any],
                   trusted_refs: Mapping[str, Any] | None, trust_code: bool) -> None:
-    """Raise ``_Refused`` when a reference of an untrusted recipe sits in an argument that
+    """Raise ``Refused`` when a reference of an untrusted recipe sits in an argument that
     takes plain data (see :func:`~torchloom.core.refs.takes_references`)."""
     if trust_code:
         return
@@ -465,7 +456,7 @@ class Recipe:
                     f"that is not data: a {type(exc.value).__name__}",
                     path=entry.path,
                     primitive="recipe.to_json",
-                    values={"line": number, "argument": _short_repr(exc.value)},
+                    values={"line": number, "argument": short_repr(exc.value)},
                     fix="pass a module-level factory function (stored by import path) instead "
                     "of an object, e.g. sch[path].replace(mypackage.kernels.make_fused_mlp)",
                 ) from None
@@ -513,21 +504,21 @@ class Recipe:
         except RecursionError:
             raise RecipeError(
                 "not a torchloom recipe: the JSON is nested too deeply to read",
-                primitive="Recipe.from_json", values={"text": _short_repr(text)},
+                primitive="Recipe.from_json", values={"text": short_repr(text)},
                 fix="pass the text written by sch.recipe.to_json()") from None
         except (ValueError, TypeError) as exc:
             raise RecipeError(
                 f"not a torchloom recipe: {exc}",
                 primitive="Recipe.from_json",
-                values={"text": text[:80] if isinstance(text, str) else _short_repr(text)},
+                values={"text": text[:80] if isinstance(text, str) else short_repr(text)},
                 fix="pass the text written by sch.recipe.to_json()",
             ) from None
-        _check_trusted(trusted_refs, "Recipe.from_json")
+        check_trusted(trusted_refs, "Recipe.from_json")
         parsed = []
         for number, item in enumerate(entries, start=1):
             try:
                 parsed.append(_entry_from_data(item, trusted_refs, trust_code))
-            except _Refused as exc:
+            except Refused as exc:
                 raise RecipeError(f"recipe line {number}: {exc.problem}",
                                   primitive="Recipe.from_json",
                                   values={"line": number, **exc.values}, fix=exc.fix) from None
@@ -558,7 +549,7 @@ def _shown(value: Any) -> Any:
     if value is None or type(value) in (bool, int, float) or \
             (type(value) is str and len(value) <= 80):
         return value
-    return _short_repr(value)
+    return short_repr(value)
 
 
 # --------------------------------------------------------------------------- scripts
@@ -584,9 +575,9 @@ def _dotted_name(node: ast.expr) -> str | None:
 
 def _literal(node: ast.expr, imports: set[str], resolve: Callable[[str], Any],
              depth: int = 0) -> Any:
-    """The value of an argument expression of a printed recipe; raises ``_Refused``."""
+    """The value of an argument expression of a printed recipe; raises ``Refused``."""
     if depth > MAX_DEPTH:
-        raise _Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
+        raise Refused(f"an argument is nested deeper than {MAX_DEPTH} levels",
                        {"max_depth": MAX_DEPTH}, "flatten the argument")
     if isinstance(node, ast.Constant) and (node.value is None
                                            or type(node.value) in (bool, int, float, str)):
@@ -618,16 +609,16 @@ def _literal(node: ast.expr, imports: set[str], resolve: Callable[[str], Any],
             module = ".".join(parts[:cut])
             if module in imports:
                 return resolve(f"{module}:{'.'.join(parts[cut:])}")
-        raise _Refused(f"{dotted!r} is not in a module the script imports",
+        raise Refused(f"{dotted!r} is not in a module the script imports",
                        {"name": dotted}, "import its module at the top of the script")
-    raise _Refused(f"{_short_repr(ast.unparse(node))} is not a recipe value",
-                   {"expression": _short_repr(ast.unparse(node))},
+    raise Refused(f"{short_repr(ast.unparse(node))} is not a recipe value",
+                   {"expression": short_repr(ast.unparse(node))},
                    "write arguments as literals, torch dtypes or imported names")
 
 
 def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
                   trust_code: bool) -> Recipe:
-    _check_trusted(trusted_refs, "Recipe.from_script")
+    check_trusted(trusted_refs, "Recipe.from_script")
     if not isinstance(text, str):
         raise _script_error(0, f"a script is text, not a {type(text).__name__}")
     try:
@@ -637,7 +628,7 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
                             f"not Python: {type(exc).__name__}: {exc}") from None
 
     def resolve(ref: str) -> Any:
-        return _resolve(ref, trusted_refs, trust_code)
+        return resolve_untrusted(ref, trusted_refs, trust_code)
 
     imports: set[str] = set()
     created = False
@@ -660,7 +651,7 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
                 and node.value.id == "sch" and isinstance(node.slice, ast.Constant)
                 and isinstance(node.slice.value, str)):
             raise _script_error(line, "not a recipe statement: "
-                                f"{_short_repr(ast.unparse(stmt))}",
+                                f"{short_repr(ast.unparse(stmt))}",
                                 fix="a recipe script is import lines, "
                                 "'sch = torchloom.create_schedule(model)', then "
                                 "sch['path'].primitive(...) calls")
@@ -668,13 +659,13 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
         try:
             if any(isinstance(a, ast.Starred) for a in call.args) or \
                     any(k.arg is None for k in call.keywords):
-                raise _Refused("*args and **kwargs are not recipe arguments", {},
+                raise Refused("*args and **kwargs are not recipe arguments", {},
                                "write each argument out")
             args = [_literal(a, imports, resolve) for a in call.args]
             kwargs = {cast(str, k.arg): _literal(k.value, imports, resolve) for k in call.keywords}
             _check_fields(target.attr, node.slice.value, args, kwargs)
             _check_places(target.attr, args, kwargs, trusted_refs, trust_code)
-        except _Refused as exc:
+        except Refused as exc:
             raise _script_error(line, exc.problem, exc.values, exc.fix) from None
         entries.append(RecipeEntry(target.attr, node.slice.value, tuple(args), kwargs))
     return Recipe(entries)
@@ -685,10 +676,10 @@ def _parse_script(text: str, trusted_refs: Mapping[str, Any] | None,
 
 def _check_call(entry: RecipeEntry) -> Callable[..., Any]:
     """The method to call for ``entry``, after checking its fields, the nesting of its
-    values and its arguments against the primitive's signature; raises ``_Refused``."""
+    values and its arguments against the primitive's signature; raises ``Refused``."""
     if not isinstance(entry, RecipeEntry):
-        raise _Refused(f"a recipe holds RecipeEntry objects, not a {type(entry).__name__}",
-                       {"entry": _short_repr(entry)}, "build entries with RecipeEntry(...)")
+        raise Refused(f"a recipe holds RecipeEntry objects, not a {type(entry).__name__}",
+                       {"entry": short_repr(entry)}, "build entries with RecipeEntry(...)")
     _check_fields(entry.primitive, entry.path, entry.args, entry.kwargs)
     for value in (*entry.args, *entry.kwargs.values()):
         _check_depth(value)
@@ -702,7 +693,7 @@ def _check_call(entry: RecipeEntry) -> Callable[..., Any]:
     valid = [p.name for p in params if p.kind is not p.POSITIONAL_ONLY]
     unknown = [k for k in entry.kwargs if k not in valid]
     if unknown and not takes_any_keyword:
-        raise _Refused(
+        raise Refused(
             f"{entry.primitive}() has no keyword {unknown[0]!r}",
             {"primitive": entry.primitive, "keyword": unknown[0], "valid": valid},
             f"use one of {', '.join(valid)}" if valid
@@ -710,7 +701,7 @@ def _check_call(entry: RecipeEntry) -> Callable[..., Any]:
     try:
         signature.bind(*entry.args, **entry.kwargs)
     except TypeError as exc:
-        raise _Refused(
+        raise Refused(
             f"the arguments do not fit {entry.primitive}{prim.signature_text()}: {exc}",
             {"primitive": entry.primitive, "args": len(entry.args),
              "kwargs": sorted(entry.kwargs)},
@@ -738,13 +729,13 @@ def apply_recipe(model: nn.Module, recipe: Recipe | str, group: Any = None, *,
     if not isinstance(recipe, Recipe):
         raise RecipeError(
             f"apply_recipe takes a Recipe or its JSON text, not a {type(recipe).__name__}",
-            primitive="apply_recipe", values={"recipe": _short_repr(recipe)},
+            primitive="apply_recipe", values={"recipe": short_repr(recipe)},
             fix="tl.apply_recipe(model, tl.Recipe.from_json(text))")
     calls: list[tuple[RecipeEntry, Callable[..., Any]]] = []
     for number, entry in enumerate(recipe, start=1):
         try:
             calls.append((entry, _check_call(entry)))
-        except _Refused as exc:
+        except Refused as exc:
             raise RecipeError(f"recipe line {number}: {exc.problem}", primitive="apply_recipe",
                               values={"line": number, **exc.values}, fix=exc.fix) from None
     sch = create_schedule(model, group=group)

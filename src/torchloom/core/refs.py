@@ -391,17 +391,6 @@ _REF_PARAMS: dict[str, dict[str, str]] = {
 }
 
 
-def holds_code(value: Any, depth: int = 0) -> bool:
-    """Whether a decoded recipe value holds a function or class anywhere."""
-    if depth > 64:
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(holds_code(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return any(holds_code(v, depth + 1) for v in value.values())
-    return callable(value)
-
-
 def check_reference_places(primitive: str, bound: Mapping[str, Any],
                            trusted: Callable[[Any], bool]) -> None:
     """Raise :class:`Refused` when a function or class sits in an argument of
@@ -414,7 +403,7 @@ def check_reference_places(primitive: str, bound: Mapping[str, Any],
             continue
         if where == "pattern" and isinstance(value, dict):
             value = {k: v for k, v in value.items() if k != "pattern"}
-        if holds_code(value) and not _all_trusted(value, trusted):
+        if _untrusted_code(value, trusted):
             allowed = ", ".join(places) or "none"
             raise Refused(
                 f"argument {name!r} of {primitive} takes plain data, and this recipe puts a "
@@ -424,11 +413,13 @@ def check_reference_places(primitive: str, bound: Mapping[str, Any],
                 f"accepted only in: {allowed}")
 
 
-def _all_trusted(value: Any, trusted: Callable[[Any], bool], depth: int = 0) -> bool:
+def _untrusted_code(value: Any, trusted: Callable[[Any], bool], depth: int = 0) -> bool:
+    """Whether a decoded recipe value holds, anywhere, a function or class that
+    ``trusted`` does not vouch for (nesting past 64 levels counts as such)."""
     if depth > 64:
-        return False
+        return True
     if isinstance(value, (list, tuple)):
-        return all(_all_trusted(v, trusted, depth + 1) for v in value)
+        return any(_untrusted_code(v, trusted, depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(_all_trusted(v, trusted, depth + 1) for v in value.values())
-    return not callable(value) or trusted(value)
+        return any(_untrusted_code(v, trusted, depth + 1) for v in value.values())
+    return callable(value) and not trusted(value)

@@ -133,10 +133,10 @@ def _module_config(module: nn.Module) -> str:
     transformers config (torchloom's own ops by class only: they hold their rank's slice)."""
     parts = []
     for name, sub in module.named_modules():
-        attrs = {k: v for k, v in vars(sub).items() if _rank_free(sub) and
-                 not k.startswith("_") and (
+        attrs = {k: v for k, v in vars(sub).items() if not k.startswith("_") and (
             isinstance(v, _SCALARS) or (isinstance(v, tuple)
-                                        and all(isinstance(x, _SCALARS) for x in v)))}
+                                        and all(isinstance(x, _SCALARS) for x in v)))
+                 } if _rank_free(sub) else {}
         parts.append(f"{name or '.'}: {_layer_text(sub)} {sorted(attrs.items())!r}")
         config = getattr(sub, "config", None)
         to_dict = getattr(config, "to_dict", None)
@@ -269,7 +269,8 @@ def check_ranks_agree(sch: Schedule, primitive: str = "build") -> None:
         return
     me = dist.get_rank(group)
     canonical = [canonical_text(e) for e in root.recipe]
-    shapes = shape_lines(root.mod) + module_lines(root.mod)
+    params = shape_lines(root.mod)
+    shapes = params + module_lines(root.mod)
     device = _device(group)
     mine = digest(canonical, shapes).to(device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
@@ -307,9 +308,8 @@ def check_ranks_agree(sch: Schedule, primitive: str = "build") -> None:
     index = _first_difference(shapes, other_shapes)
     assert index is not None  # the digests differ, so one of the two lists does
     ends = "the model has only this many parameters and modules:"
-    n_params = len(shape_lines(root.mod))
-    what = (f"parameter {index + 1}" if index < n_params
-            else f"module {index - n_params + 1} (its class or configuration)")
+    what = (f"parameter {index + 1}" if index < len(params)
+            else f"module {index - len(params) + 1} (its class or configuration)")
     raise ScheduleMismatchError(
         f"rank {me} and rank {other} have the same recipe but other local parameters or "
         f"modules: {what} differs",

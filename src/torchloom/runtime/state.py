@@ -76,6 +76,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "check_save_dir",
     "check_writable",
+    "writable_problem",
     "describe_dir",
     "find_checkpoint",
     "full_optimizer_state_dict",
@@ -728,7 +729,7 @@ def _recoverable(path: str, entries: list[str]) -> bool:
     return complete
 
 
-def _writable_problem(path: str) -> str | None:
+def writable_problem(path: str) -> str | None:
     """Why nothing can be written at ``path`` (a folder, made if missing), or None: a probe
     file is created (``O_CREAT | O_EXCL``) and removed in it, or in its nearest existing
     parent when it is missing. Permission bits do not tell (root ignores them; a
@@ -751,7 +752,7 @@ def _writable_problem(path: str) -> str | None:
 
 def check_writable(path: str | os.PathLike, primitive: str = "save") -> None:
     """Raise :class:`CheckpointIOError` unless a save can write into ``path`` (see
-    :func:`_writable_problem`); ``torchloom train`` checks its ``--save-dir`` so before
+    :func:`writable_problem`); ``torchloom train`` checks its ``--save-dir`` so before
     the first step.
 
     >>> check_writable("/proc/torchloom-run")
@@ -760,7 +761,7 @@ def check_writable(path: str | os.PathLike, primitive: str = "save") -> None:
     torchloom.core.errors.CheckpointIOError: save(...): the save directory cannot be written: ...
     """
     path = os.path.normpath(os.fspath(path))
-    problem = _writable_problem(path)
+    problem = writable_problem(path)
     if problem is not None:
         raise CheckpointIOError(
             f"the save directory cannot be written: {problem}", primitive=primitive,

@@ -192,19 +192,15 @@ def _splits_sequence(spec: object) -> bool | None:
         return True if axis in _SEQ_AXES else None
     if op == "all_gather":
         return False if axis in _SEQ_AXES else None
-    if isinstance(op, str) and op in _reshard_specs():
+    from ..primitives.sync import RESHARD_SPECS
+
+    if isinstance(op, str) and op in RESHARD_SPECS:
         before, after = op.split("->")
         if after[0] == "S":
             return True
         if before[0] == "S":
             return False
     return None
-
-
-def _reshard_specs() -> tuple[str, ...]:
-    from ..primitives.sync import RESHARD_SPECS
-
-    return RESHARD_SPECS
 
 
 def _after_syncs(module: nn.Module, mode: str, state: bool) -> bool:
