@@ -327,9 +327,9 @@ class SDPABertSelfAttention(nn.Module):
     def _project(self, hidden_states: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
-        return tuple(  # type: ignore[return-value]
-            proj(hidden_states).view(shape).transpose(1, 2)
-            for proj in (self.query, self.key, self.value))
+        query, key, value = (proj(hidden_states).view(shape).transpose(1, 2)
+                             for proj in (self.query, self.key, self.value))
+        return query, key, value
 
     def forward(
         self,
@@ -397,10 +397,11 @@ def make_sdpa_gpt2_attention(old: nn.Module) -> SDPAGPT2Attention:
             values={"module": type(old).__name__, "layer_idx": getattr(old, "layer_idx", None)},
             fix="replace only the blocks' 'attn', not 'crossattention'",
         )
+    attn: Any = old  # a GPT2Attention (checked above): attributes untyped by nn.Module
     return SDPAGPT2Attention(
-        old.c_attn, old.c_proj, old.attn_dropout, old.resid_dropout,
-        num_heads=old.num_heads, head_dim=old.head_dim, split_size=old.split_size,
-        scaling=float(old.scaling), layer_idx=getattr(old, "layer_idx", None),
+        attn.c_attn, attn.c_proj, attn.attn_dropout, attn.resid_dropout,
+        num_heads=attn.num_heads, head_dim=attn.head_dim, split_size=attn.split_size,
+        scaling=float(attn.scaling), layer_idx=getattr(old, "layer_idx", None),
         is_causal=bool(getattr(old, "is_causal", True)))
 
 
@@ -431,10 +432,11 @@ def make_sdpa_bert_self_attention(old: nn.Module) -> SDPABertSelfAttention:
             values={"module": type(old).__name__, "position_embedding_type": kind},
             fix="keep the original attention for this model",
         )
-    scaling = getattr(old, "scaling", old.attention_head_size ** -0.5)
+    attn: Any = old  # a BertSelfAttention (checked above): attributes untyped by nn.Module
+    scaling = getattr(old, "scaling", attn.attention_head_size ** -0.5)
     return SDPABertSelfAttention(
-        old.query, old.key, old.value, old.dropout,
-        num_attention_heads=old.num_attention_heads,
-        attention_head_size=old.attention_head_size, scaling=float(scaling),
+        attn.query, attn.key, attn.value, attn.dropout,
+        num_attention_heads=attn.num_attention_heads,
+        attention_head_size=attn.attention_head_size, scaling=float(scaling),
         is_causal=bool(getattr(old, "is_causal", False)),
         layer_idx=getattr(old, "layer_idx", None))

@@ -39,7 +39,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,8 @@ class FusedBiasGelu(nn.Module):
         compile: compile on the first call (True) or run eagerly (False).
     """
 
+    compile: bool  # type: ignore[assignment]  # the public flag hides nn.Module.compile
+
     def __init__(self, approximate: str, *, compile: bool = True) -> None:
         super().__init__()
         if approximate not in _APPROXIMATIONS:
@@ -152,6 +154,8 @@ class FusedBiasDropoutResidualLayerNorm(nn.Module):
 
     ``forward(x, bias, residual=None, *, p, layer_norm=None)``.
     """
+
+    compile: bool  # type: ignore[assignment]  # the public flag hides nn.Module.compile
 
     def __init__(self, *, compile: bool = True) -> None:
         super().__init__()
@@ -224,7 +228,8 @@ def _check_projection(mod: nn.Module, factory: str, name: str) -> None:
 def _matmul(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(mod, nn.Linear):
         return F.linear(x, mod.weight)
-    return torch.matmul(x, mod.weight)  # transformers Conv1D: weight is (in, out)
+    # a transformers Conv1D (known by name, see _check_projection): weight is (in, out)
+    return torch.matmul(x, cast(torch.Tensor, mod.weight))
 
 
 class FusedGPT2MLP(nn.Module):
@@ -247,9 +252,10 @@ class FusedGPT2MLP(nn.Module):
 
 
 class FusedBertIntermediate(nn.Module):
-    """BERT's intermediate block (dense -> GeLU) with fused bias+GeLU; keeps ``dense``."""
+    """BERT's intermediate block (dense -> GeLU) with fused bias+GeLU; keeps ``dense`` (an
+    ``nn.Linear`` or a transformers ``Conv1D``)."""
 
-    def __init__(self, dense: nn.Linear, approximate: str, *, compile: bool = True) -> None:
+    def __init__(self, dense: nn.Module, approximate: str, *, compile: bool = True) -> None:
         super().__init__()
         self.dense = dense
         self.bias_gelu = FusedBiasGelu(approximate, compile=compile)
@@ -260,10 +266,11 @@ class FusedBertIntermediate(nn.Module):
 
 class FusedBertOutput(nn.Module):
     """``BertSelfOutput`` / ``BertOutput`` (dense -> dropout -> LayerNorm(x + residual))
-    with the bias, dropout, residual and LayerNorm fused; keeps ``dense``, ``LayerNorm``
-    and ``dropout``; ``forward(hidden_states, input_tensor)``."""
+    with the bias, dropout, residual and LayerNorm fused; keeps ``dense`` (an ``nn.Linear``
+    or a transformers ``Conv1D``), ``LayerNorm`` and ``dropout``;
+    ``forward(hidden_states, input_tensor)``."""
 
-    def __init__(self, dense: nn.Linear, layer_norm: nn.LayerNorm, dropout: nn.Dropout, *,
+    def __init__(self, dense: nn.Module, layer_norm: nn.LayerNorm, dropout: nn.Dropout, *,
                  compile: bool = True) -> None:
         super().__init__()
         self.dense = dense
@@ -303,33 +310,36 @@ def _gpt2_mlp(old: nn.Module, compile: bool) -> FusedGPT2MLP:
     factory = "make_fused_gpt2_mlp"
     _require(old, ("c_fc", "c_proj", "act", "dropout"), factory, "GPT2MLP",
              "transformer.h.0.mlp")
-    _check_projection(old.c_fc, factory, "c_fc")
-    _check_projection(old.c_proj, factory, "c_proj")
-    return FusedGPT2MLP(old.c_fc, old.c_proj, old.dropout,
-                        _approximation_for(old.act, factory), compile=compile)
+    mlp: Any = old  # a GPT2MLP (checked above): attributes untyped by nn.Module
+    _check_projection(mlp.c_fc, factory, "c_fc")
+    _check_projection(mlp.c_proj, factory, "c_proj")
+    return FusedGPT2MLP(mlp.c_fc, mlp.c_proj, mlp.dropout,
+                        _approximation_for(mlp.act, factory), compile=compile)
 
 
 def _bert_intermediate(old: nn.Module, compile: bool) -> FusedBertIntermediate:
     factory = "make_fused_bert_intermediate"
     _require(old, ("dense",), factory, "BertIntermediate",
              "bert.encoder.layer.0.intermediate")
-    _check_projection(old.dense, factory, "dense")
+    block: Any = old  # a BertIntermediate (checked above): attributes untyped by nn.Module
+    _check_projection(block.dense, factory, "dense")
     act = getattr(old, "intermediate_act_fn", None)
-    return FusedBertIntermediate(old.dense, _approximation_for(act, factory), compile=compile)
+    return FusedBertIntermediate(block.dense, _approximation_for(act, factory), compile=compile)
 
 
 def _bert_output(old: nn.Module, compile: bool) -> FusedBertOutput:
     factory = "make_fused_bert_output"
     _require(old, ("dense", "LayerNorm", "dropout"), factory, "BertSelfOutput / BertOutput",
              "bert.encoder.layer.0.output")
-    _check_projection(old.dense, factory, "dense")
-    if not isinstance(old.LayerNorm, nn.LayerNorm):
+    block: Any = old  # a BertOutput (checked above): attributes untyped by nn.Module
+    _check_projection(block.dense, factory, "dense")
+    if not isinstance(block.LayerNorm, nn.LayerNorm):
         raise ReplaceError(
-            f"{factory} fuses an nn.LayerNorm, not a {type(old.LayerNorm).__name__}",
-            primitive="replace", values={"LayerNorm": type(old.LayerNorm).__name__},
+            f"{factory} fuses an nn.LayerNorm, not a {type(block.LayerNorm).__name__}",
+            primitive="replace", values={"LayerNorm": type(block.LayerNorm).__name__},
             fix="keep the original module",
         )
-    return FusedBertOutput(old.dense, old.LayerNorm, old.dropout, compile=compile)
+    return FusedBertOutput(block.dense, block.LayerNorm, block.dropout, compile=compile)
 
 
 @schedule_safe

@@ -49,7 +49,7 @@ def _fused_shard(parts: list[torch.Tensor], fused: torch.Tensor, primitive: str)
     if all(s is None for s in specs):
         return
     first = specs[0]
-    if (any(s is None for s in specs) or any(s != first for s in specs[1:])
+    if (first is None or any(s is None for s in specs) or any(s != first for s in specs[1:])
             or first.axis != 0 or first.chunks != 1):
         raise ReplaceError(
             "query, key and value must be sharded alike along their output features "
@@ -90,20 +90,23 @@ class FusedQKVBertSelfAttention(SDPABertSelfAttention):
         self.register_load_state_dict_pre_hook(_merge_state_dict)
 
     @classmethod
-    def from_linears(cls, query: nn.Linear, key: nn.Linear, value: nn.Linear,
+    def from_linears(cls, query: nn.Module, key: nn.Module, value: nn.Module,
                      dropout: nn.Dropout, *, num_attention_heads: int,
                      scaling: float | None = None, is_causal: bool = False,
                      layer_idx: int | None = None) -> FusedQKVBertSelfAttention:
         """Fuse three ``nn.Linear`` of the same shape (their values are copied into the
-        new ``qkv`` parameters; metadata and shard specs carry over)."""
+        new ``qkv`` parameters; metadata and shard specs carry over). Other modules are
+        refused with a :class:`~torchloom.core.errors.ReplaceError`."""
         primitive = "FusedQKVBertSelfAttention.from_linears"
-        linears = (query, key, value)
-        if not all(isinstance(m, nn.Linear) for m in linears):
+        if not (isinstance(query, nn.Linear) and isinstance(key, nn.Linear)
+                and isinstance(value, nn.Linear)):
             raise ReplaceError(
                 "query, key and value must be nn.Linear to be fused",
-                primitive=primitive, values={"types": [type(m).__name__ for m in linears]},
+                primitive=primitive,
+                values={"types": [type(m).__name__ for m in (query, key, value)]},
                 fix="keep the unfused attention (make_sdpa_bert_self_attention)",
             )
+        linears = (query, key, value)
         shapes = {tuple(m.weight.shape) for m in linears}
         biases = {m.bias is not None for m in linears}
         if len(shapes) != 1 or len(biases) != 1:
@@ -160,7 +163,8 @@ class FusedQKVBertSelfAttention(SDPABertSelfAttention):
         shape = (*hidden_states.shape[:-1], 3, -1, self.attention_head_size)
         # (batch, seq, 3, heads, head) -> 3 x (batch, heads, seq, head)
         qkv = self.qkv(hidden_states).view(shape)
-        return tuple(qkv.select(-3, i).transpose(1, 2) for i in range(3))  # type: ignore
+        query, key, value = (qkv.select(-3, i).transpose(1, 2) for i in range(3))
+        return query, key, value
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fused_qkv=True"

@@ -15,27 +15,57 @@ and whose last module is row parallel (input features split, partial output):
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
-from ..core.errors import ModelSizeError
-from ..core.schedule import Schedule
+from ..core.errors import ModelSizeError, PathError
+from ..core.schedule import Schedule, ScheduleGroup, join_path
 from ..graph.graph_module import is_conv1d
 from .config import KNOBS, ScheduleConfig, ScheduleConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm",
-           "finish_layers", "check_knobs", "check_tp_sizes", "takes", "tp_divisors", "SEQ_AXIS"]
+           "finish_layers", "check_knobs", "check_tp_sizes", "takes", "tp_divisors", "SEQ_AXIS",
+           "node_at"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 
 
+def node_at(sch: Schedule, path: str) -> Schedule:
+    """The one node at ``path`` below ``sch`` (``""``: ``sch`` itself).
+
+    ``sch[path]`` is a :class:`~torchloom.core.schedule.Schedule`, or a
+    :class:`~torchloom.core.schedule.ScheduleGroup` for a path with wildcards; the built-in
+    schedules name single modules where they read a node's module or pass it on, and this
+    says so (a path that matches a group is refused).
+
+    >>> import torch, torchloom as tl
+    >>> sch = tl.create_schedule(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    >>> node_at(sch, "0").path, node_at(sch, "") is sch
+    ('0', True)
+    """
+    found = sch[path]
+    if isinstance(found, ScheduleGroup):
+        raise PathError(
+            f"this schedule step acts on one module, and the path matches {len(found)}",
+            path=join_path(sch.path, path), primitive="schedules",
+            values={"matches": found.paths[:5]},
+            fix="name one module: a path without *, ? or [")
+    return found
+
+
 def column(node: Schedule, chunks: int = 1) -> None:
     """Shard a Linear / Conv1D along its output features (``chunks=3`` for fused q/k/v)."""
-    kw = {"chunks": chunks} if chunks > 1 else {}
-    node.shard("weight", 1 if is_conv1d(node.mod) else 0, **kw)
+    def shard(name: str, axis: int) -> None:  # the recipe names chunks only when not 1
+        if chunks > 1:
+            node.shard(name, axis, chunks=chunks)
+        else:
+            node.shard(name, axis)
+
+    shard("weight", 1 if is_conv1d(node.mod) else 0)
     if getattr(node.mod, "bias", None) is not None:
-        node.shard("bias", 0, **kw)
+        shard("bias", 0)
 
 
 def row(node: Schedule) -> None:
@@ -48,8 +78,8 @@ def region(block: Schedule, columns: list[str], row_path: str, sequence_parallel
     """Make ``block`` one tensor-parallel region: ``columns`` column parallel, ``row_path``
     row parallel, with the syncs of plain TP or of sequence parallelism."""
     for path in columns:
-        column(block[path], chunks)
-    row(block[row_path])
+        column(node_at(block, path), chunks)
+    row(node_at(block, row_path))
     region_syncs(block, row_path, sequence_parallel, input_name)
 
 
@@ -67,13 +97,13 @@ def region_syncs(block: Schedule, row_path: str, sequence_parallel: bool,
         block[row_path].sync("fwd_post", "all_reduce")
 
 
-def sp_norms(nodes: list[Schedule]) -> None:
+def sp_norms(nodes: Sequence[Schedule | ScheduleGroup]) -> None:
     """Norms that run on sequence slices: all-reduce their parameter gradients."""
     for node in nodes:
         node.sync("param_grad", "all_reduce")
 
 
-def sp_final_norm(node: Schedule) -> None:
+def sp_final_norm(node: Schedule | ScheduleGroup) -> None:
     """The last norm of a sequence-parallel model: it runs on sequence slices (its
     gradients are all-reduced) and its output is gathered whole for the head. Every rank
     then computes the same head, so the gather's backward keeps this rank's slice."""
@@ -81,7 +111,7 @@ def sp_final_norm(node: Schedule) -> None:
     node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
 
 
-def finish_layers(stack: Schedule, config: ScheduleConfig) -> None:
+def finish_layers(stack: Schedule | ScheduleGroup, config: ScheduleConfig) -> None:
     """The last two steps of every built-in schedule, on a stack of layers (a
     ``ModuleList``): checkpoint the first ``config.ckpt_ratio`` of them, then compile each
     layer in place (``compile=True``: inductor; a string: that backend). The compiled code

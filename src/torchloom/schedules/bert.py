@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.schedule import Schedule
 from ..ops.attention import make_sdpa_bert_self_attention
 from ..ops.fused import make_fused_bert_intermediate, make_fused_bert_output
@@ -10,6 +12,7 @@ from ._common import (
     check_tp_sizes,
     column,
     finish_layers,
+    node_at,
     row,
     sp_norms,
     takes,
@@ -29,7 +32,7 @@ def schedule_bert(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> N
     layers = sch[f"{base}.layer"]
     tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     if tp:  # before any primitive: a refusal changes nothing
-        hf_config = sch.mod.config
+        hf_config: Any = sch.mod.config  # a BertConfig (typed Tensor | Module by nn.Module)
         check_tp_sizes(sch, "bert", [
             ("num_attention_heads", hf_config.num_attention_heads,
              f"{base}.layer.*.attention.self", "whole attention heads"),
@@ -46,11 +49,11 @@ def schedule_bert(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> N
             # self-attention: q, k, v column parallel, the output dense row parallel; the
             # region spans two sibling modules, so its syncs sit on their parent.
             for name in ("query", "key", "value"):
-                column(layer[f"attention.self.{name}"])
-            row(layer["attention.output.dense"])
+                column(node_at(layer, f"attention.self.{name}"))
+            row(node_at(layer, "attention.output.dense"))
             # the feed-forward block: intermediate.dense column, output.dense row
-            column(layer["intermediate.dense"])
-            row(layer["output.dense"])
+            column(node_at(layer, "intermediate.dense"))
+            row(node_at(layer, "output.dense"))
             for entry, out in (("attention.self", "attention.output.dense"),
                                ("intermediate", "output.dense")):
                 if sequence_parallel:

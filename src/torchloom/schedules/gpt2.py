@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..core.refs import schedule_safe
@@ -12,6 +14,7 @@ from ._common import (
     SEQ_AXIS,
     check_tp_sizes,
     finish_layers,
+    node_at,
     region,
     sp_final_norm,
     sp_norms,
@@ -26,7 +29,8 @@ __all__ = ["schedule_gpt2", "split_qkv_per_rank"]
 def split_qkv_per_rank(old: nn.Module) -> nn.Module:
     """GPT-2 attention splits ``c_attn``'s output into q, k, v of ``split_size`` each; after
     the ``chunks=3`` shard a rank's output is ``[q_r | k_r | v_r]``, a third of ``nf``."""
-    old.split_size = old.c_attn.nf // 3
+    attn: Any = old  # a GPT2Attention: attributes untyped by nn.Module
+    attn.split_size = attn.c_attn.nf // 3
     return old
 
 
@@ -39,7 +43,7 @@ def schedule_gpt2(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> N
     base = "transformer." if "transformer" in sch.child else ""
     tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     if tp:  # before any primitive: a refusal changes nothing
-        hf_config = sch.mod.config
+        hf_config: Any = sch.mod.config  # a GPT2Config (typed Tensor | Module by nn.Module)
         sizes = [("n_head", hf_config.n_head, f"{base}h.*.attn", "whole attention heads")]
         if hf_config.n_inner is not None:  # None: 4 * n_embd, which the heads check covers
             sizes.append(("n_inner", hf_config.n_inner, f"{base}h.*.mlp",
@@ -51,9 +55,9 @@ def schedule_gpt2(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> N
         sch[f"{base}h.*.mlp"].replace(make_fused_gpt2_mlp)
     if tp:
         for block in sch[f"{base}h.*"]:
-            region(block["attn"], ["c_attn"], "c_proj", sequence_parallel, chunks=3)
+            region(node_at(block, "attn"), ["c_attn"], "c_proj", sequence_parallel, chunks=3)
             block["attn"].replace(split_qkv_per_rank)
-            region(block["mlp"], ["c_fc"], "c_proj", sequence_parallel)
+            region(node_at(block, "mlp"), ["c_fc"], "c_proj", sequence_parallel)
             if sequence_parallel:
                 sp_norms([block["ln_1"], block["ln_2"]])
         if sequence_parallel:

@@ -49,6 +49,7 @@ checked before any primitive is applied.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ from ._common import (
     check_tp_sizes,
     column,
     finish_layers,
+    node_at,
     region,
     region_syncs,
     row,
@@ -86,7 +88,7 @@ class GradSum(nn.Module):
         return x
 
 
-def _sliced(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+def _sliced(tensor: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     """This rank's piece of ``tensor`` (real or meta) as a new Parameter carrying ``spec``
     and the old tensor's tags."""
     with torch.no_grad():
@@ -105,6 +107,7 @@ class ReplicatedKVProjection(nn.Linear):
 
     pieces: int
     piece: int
+    grad_sum: GradSum
 
     @classmethod
     def from_linear(cls, old: nn.Linear, world_size: int, rank: int,
@@ -158,8 +161,9 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
     KV head ``rank * kv // tp``, and whose ``num_key_value_groups`` is the rank's number
     of query heads (they all use that one KV head). The rank and ``tp`` come from
     q_proj's shard spec, so the recipe line is the same on every rank."""
+    attn: Any = old  # a LlamaAttention: attributes untyped by nn.Module
     path = f"{type(old).__name__} (self_attn)"
-    q = shard_spec(old.q_proj.weight)
+    q = shard_spec(attn.q_proj.weight)
     if q is None or q.axis != 0 or q.chunks != 1 or q.replicas != 1:
         raise ReplaceError(
             "replicate_kv_heads takes the rank's query heads from q_proj's shard, but "
@@ -170,16 +174,16 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
             "the built-in schedule do it: schedules.apply_schedule(sch, tp=True)",
         )
     for name in ("k_proj", "v_proj"):
-        if shard_spec(getattr(old, name).weight) is not None:
+        if shard_spec(getattr(attn, name).weight) is not None:
             raise ReplaceError(
                 f"{name} is already sharded; replicate_kv_heads slices the whole projection",
                 path=None, primitive="schedules.llama.replicate_kv_heads",
-                values={"module": path, name: repr(shard_spec(getattr(old, name).weight))},
+                values={"module": path, name: repr(shard_spec(getattr(attn, name).weight))},
                 fix="apply replicate_kv_heads to the attention instead of shard on "
                 f"{name} (the built-in schedule does: schedules.apply_schedule(sch, tp=True))",
             )
-    tp, rank, head_dim = q.world_size, q.rank, old.head_dim
-    heads, kv = q.full_shape[0] // head_dim, old.k_proj.out_features // head_dim
+    tp, rank, head_dim = q.world_size, q.rank, attn.head_dim
+    heads, kv = q.full_shape[0] // head_dim, attn.k_proj.out_features // head_dim
     if not (kv < tp and tp % kv == 0):
         raise ReplaceError(
             f"replicate_kv_heads is for fewer KV heads than ranks, shared evenly: {kv} KV "
@@ -189,12 +193,12 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
             fix="for num_key_value_heads divisible by the degree, shard k_proj and v_proj "
             "like q_proj; schedules.apply_schedule(sch, tp=True) picks the right one",
         )
-    new = copy.copy(old)  # a new object, so that replace rebuilds the schedule's children
+    new: Any = copy.copy(old)  # a new object, so that replace rebuilds the schedule's children
     new._modules, new._parameters, new._buffers = (
         dict(old._modules), dict(old._parameters), dict(old._buffers))
     replicas = tp // kv
-    new.k_proj = ReplicatedKVProjection.from_linear(old.k_proj, tp, rank, replicas)
-    new.v_proj = ReplicatedKVProjection.from_linear(old.v_proj, tp, rank, replicas)
+    new.k_proj = ReplicatedKVProjection.from_linear(attn.k_proj, tp, rank, replicas)
+    new.v_proj = ReplicatedKVProjection.from_linear(attn.v_proj, tp, rank, replicas)
     new.num_key_value_groups = heads // tp
     return new
 
@@ -202,12 +206,12 @@ def replicate_kv_heads(old: nn.Module) -> nn.Module:
 def kv_replicas(sch: Schedule) -> int:
     """Check the sizes the Llama TP schedule must split (before any primitive) and return
     how many ranks share each KV head (1: KV heads are sharded like query heads)."""
-    config = sch.mod.config
+    config: Any = sch.mod.config  # a LlamaConfig (typed Tensor | Module by nn.Module)
     base = "model." if "model" in sch.child else ""
     attn = f"{base}layers.*.self_attn"
     world = sch.world_size
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads: int = config.num_attention_heads
+    kv: int = getattr(config, "num_key_value_heads", None) or heads
     check_tp_sizes(sch, "llama", [("num_attention_heads", heads, attn, "whole query heads")])
     if kv < world and world % kv == 0:
         replicas = world // kv
@@ -243,18 +247,18 @@ def schedule_llama(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> 
     if tp:
         replicas = kv_replicas(sch)  # before any primitive: a refusal changes nothing
         for layer in sch[f"{base}layers.*"]:
-            attn = layer["self_attn"]
+            attn = node_at(layer, "self_attn")
             if replicas == 1:
                 region(attn, ["q_proj", "k_proj", "v_proj"], "o_proj", sequence_parallel,
                        input_name="hidden_states")
             else:
-                column(attn["q_proj"])
-                row(attn["o_proj"])
+                column(node_at(attn, "q_proj"))
+                row(node_at(attn, "o_proj"))
                 attn.replace(replicate_kv_heads)
                 for name in ("k_proj", "v_proj"):
                     attn[f"{name}.grad_sum"].sync("bwd_post", "all_reduce")
                 region_syncs(attn, "o_proj", sequence_parallel, input_name="hidden_states")
-            region(layer["mlp"], ["gate_proj", "up_proj"], "down_proj", sequence_parallel)
+            region(node_at(layer, "mlp"), ["gate_proj", "up_proj"], "down_proj", sequence_parallel)
             if sequence_parallel:
                 sp_norms([layer["input_layernorm"], layer["post_attention_layernorm"]])
         if sequence_parallel:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..core.errors import ModelSizeError
 from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
-from ._common import check_tp_sizes, column, finish_layers, region, row, takes
+from ._common import check_tp_sizes, column, finish_layers, node_at, region, row, takes
 from .config import ScheduleConfig
 
 __all__ = ["heads_per_rank", "schedule_opt"]
@@ -17,8 +19,9 @@ __all__ = ["heads_per_rank", "schedule_opt"]
 def heads_per_rank(old: nn.Module) -> nn.Module:
     """OPT attention reshapes q, k, v with ``num_heads``; after the column shard a rank
     holds ``q_proj.out_features // head_dim`` of them."""
-    old.num_heads = old.q_proj.out_features // old.head_dim
-    old.embed_dim = old.num_heads * old.head_dim
+    attn: Any = old  # an OPTAttention: attributes untyped by nn.Module
+    attn.num_heads = attn.q_proj.out_features // attn.head_dim
+    attn.embed_dim = attn.num_heads * attn.head_dim
     return old
 
 
@@ -38,19 +41,19 @@ def schedule_opt(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> No
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
-        hf_config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        hf_config: Any = sch.mod.config  # checked before any primitive: a refusal changes nothing
         check_tp_sizes(sch, "opt", [
             ("num_attention_heads", hf_config.num_attention_heads, f"{base}.layers.*.self_attn",
              "whole attention heads"),
             ("ffn_dim", hf_config.ffn_dim, f"{base}.layers.*.fc1",
              "an equal share of the MLP's features")])
         for layer in sch[f"{base}.layers.*"]:
-            region(layer["self_attn"], ["q_proj", "k_proj", "v_proj"], "out_proj", False,
-                   input_name="hidden_states")
+            region(node_at(layer, "self_attn"), ["q_proj", "k_proj", "v_proj"], "out_proj",
+                   False, input_name="hidden_states")
             layer["self_attn"].replace(heads_per_rank)
             # fc1 and fc2 sit directly in the layer, so the MLP's syncs go on them
-            column(layer["fc1"])
+            column(node_at(layer, "fc1"))
             layer["fc1"].sync("bwd_post", "all_reduce")
-            row(layer["fc2"])
+            row(node_at(layer, "fc2"))
             layer["fc2"].sync("fwd_post", "all_reduce")
     finish_layers(sch[f"{base}.layers"], config)

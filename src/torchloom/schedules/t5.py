@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..core.errors import ModelSizeError
 from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
-from ._common import check_tp_sizes, column, finish_layers, region, row, takes
+from ._common import check_tp_sizes, column, finish_layers, node_at, region, row, takes
 from .config import ScheduleConfig
 
 __all__ = ["heads_per_rank", "schedule_t5"]
@@ -17,16 +19,17 @@ __all__ = ["heads_per_rank", "schedule_t5"]
 def heads_per_rank(old: nn.Module) -> nn.Module:
     """T5 attention builds the zero position bias of layers without a relative bias from
     ``n_heads``; after the column shard a rank holds ``q.out_features // d_kv`` heads."""
-    old.n_heads = old.q.out_features // old.key_value_proj_dim
-    old.inner_dim = old.q.out_features
+    attn: Any = old  # a T5Attention: attributes untyped by nn.Module
+    attn.n_heads = attn.q.out_features // attn.key_value_proj_dim
+    attn.inner_dim = attn.q.out_features
     return old
 
 
 def _attention(attn: Schedule, input_name: str | None = None) -> None:
     """q, k, v column parallel and o row parallel: each rank keeps whole heads."""
     for name in ("q", "k", "v"):
-        column(attn[name])
-    row(attn["o"])
+        column(node_at(attn, name))
+    row(node_at(attn, "o"))
     if "relative_attention_bias" in attn.child:  # one column per head
         attn["relative_attention_bias"].shard("weight", 1)
     attn.replace(heads_per_rank)
@@ -48,7 +51,7 @@ def schedule_t5(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> Non
             fix="apply_schedule(sch, tp=True) without sequence_parallel",
         )
     if tp:
-        hf_config = sch.mod.config  # checked before any primitive: a refusal changes nothing
+        hf_config: Any = sch.mod.config  # checked before any primitive: a refusal changes nothing
         check_tp_sizes(sch, "t5", [
             ("num_heads", hf_config.num_heads, f"{stacks[0]}.block.*.layer.0.SelfAttention",
              "whole attention heads"),
@@ -56,20 +59,20 @@ def schedule_t5(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> Non
              "an equal share of the feed-forward features")])
         for stack in stacks:
             for block in sch[f"{stack}.block.*"]:
-                layers = block["layer"]
-                self_attn = layers["0.SelfAttention"]
+                layers = node_at(block, "layer")
+                self_attn = node_at(layers, "0.SelfAttention")
                 _attention(self_attn)
                 self_attn.sync("bwd_post", "all_reduce")
                 self_attn["o"].sync("fwd_post", "all_reduce")
                 if "EncDecAttention" in layers["1"].child:
                     # queries come from the decoder, keys and values from the encoder:
                     # both inputs' gradients are partial sums
-                    cross = layers["1.EncDecAttention"]
+                    cross = node_at(layers, "1.EncDecAttention")
                     _attention(cross)
                     cross.sync("bwd_post", "all_reduce")
                     cross.sync("bwd_post", "all_reduce", input_name="key_value_states")
                     cross["o"].sync("fwd_post", "all_reduce")
-                ff = layers[str(len(layers.child) - 1)]["DenseReluDense"]
+                ff = node_at(layers, f"{len(layers.child) - 1}.DenseReluDense")
                 wi = ["wi_0", "wi_1"] if "wi_0" in ff.child else ["wi"]
                 region(ff, wi, "wo", False)
     for stack in stacks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.errors import ModelSizeError
 from ..core.schedule import Schedule
 from ..runtime import collectives as C
@@ -9,6 +11,7 @@ from ._common import (
     SEQ_AXIS,
     check_tp_sizes,
     finish_layers,
+    node_at,
     region,
     sp_final_norm,
     sp_norms,
@@ -34,16 +37,16 @@ def schedule_vit(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> No
     if sequence_parallel:
         _check_sequence_split(sch, base)
     if tp:  # before any primitive: a refusal changes nothing
-        hf_config = sch.mod.config
+        hf_config: Any = sch.mod.config  # a ViTConfig (typed Tensor | Module by nn.Module)
         check_tp_sizes(sch, "vit", [
             ("num_attention_heads", hf_config.num_attention_heads, f"{base}layers.*.attention",
              "whole attention heads"),
             ("intermediate_size", hf_config.intermediate_size, f"{base}layers.*.mlp",
              "an equal share of the MLP's features")])
         for layer in sch[f"{base}layers.*"]:
-            region(layer["attention"], ["q_proj", "k_proj", "v_proj"], "o_proj",
+            region(node_at(layer, "attention"), ["q_proj", "k_proj", "v_proj"], "o_proj",
                    sequence_parallel)
-            region(layer["mlp"], ["fc1"], "fc2", sequence_parallel)
+            region(node_at(layer, "mlp"), ["fc1"], "fc2", sequence_parallel)
             if sequence_parallel:
                 sp_norms([layer["layernorm_before"], layer["layernorm_after"]])
         if sequence_parallel:
@@ -53,7 +56,7 @@ def schedule_vit(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> No
 
 
 def _check_sequence_split(sch: Schedule, base: str) -> None:
-    config = sch.mod.config
+    config: Any = sch.mod.config  # a ViTConfig (typed Tensor | Module by nn.Module)
     size = config.image_size // config.patch_size
     tokens, world = size * size + 1, C.group_size(sch.group)
     if tokens % world:

@@ -278,7 +278,7 @@ def example_inputs(name: str, model: nn.Module, batch_size: int = 2, seq_len: in
         seed: the inputs are drawn from a generator seeded with this.
     """
     entry = _entry(name, "example_inputs")
-    config = model.config
+    config: Any = model.config  # a transformers config (typed Tensor | Module by nn.Module)
     generator = torch.Generator().manual_seed(seed)
     if entry.kind == "image":
         pixels = torch.randn(batch_size, config.num_channels, config.image_size,
