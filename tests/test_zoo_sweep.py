@@ -211,7 +211,7 @@ def test_a_split_checkpoint_tensor_is_refused_by_name(zoo_sweep, tmp_path):
     # refuses it naming the conversion (it raised IndexError: no such group before)
     import torchloom as tl
     from torchloom.core.errors import CheckpointMismatchError
-    from torchloom.runtime.weights import _expert_index
+    from torchloom.runtime.weights_plan import _expert_index
 
     assert _expert_index("mlp.experts.*.w1.weight", "layers.0.mlp.experts.3.w1.weight") == 3
     assert _expert_index("mlp.gate_up_proj.weight", "layers.0.mlp.gate_up_proj.weight") is None

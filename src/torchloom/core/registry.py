@@ -10,6 +10,9 @@ name and the error classes it raises. The registry then
   by keyword and only when they differ from their defaults. ``shard("w", 0)``,
   ``shard("w", axis=0)`` and ``shard("w", 0, chunks=1)`` record the same line.
 
+The table it fills, :data:`PRIMITIVES`, lives in :mod:`torchloom.core.primitive_table`
+(below the schedule and the recipe, which read it) and is importable from here.
+
 >>> import torch, torchloom as tl
 >>> sch = tl.create_schedule(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 >>> sch["0"].annotate(key="tag", value=1, param_name="weight", overwrite=False)
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import PrimitiveCallError, ScheduleError
-from .recipe import RecipeEntry
+from .primitive_table import PRIMITIVES, list_primitives
+from .recipe_data import RecipeEntry
 from .schedule import Schedule, ScheduleGroup
 
 __all__ = ["PRIMITIVES", "Primitive", "PrimitiveCallError", "list_primitives", "primitive"]
@@ -135,10 +139,6 @@ def _same(value: Any, default: Any) -> bool:
         return False
 
 
-#: Every registered primitive by name, in registration order.
-PRIMITIVES: dict[str, Primitive] = {}
-
-
 def primitive(name: str, *, errors: tuple[type[ScheduleError], ...] = (),
               recorded: bool = True,
               record_as: Mapping[str, Callable[[Schedule, Any], Any]] | None = None,
@@ -190,10 +190,3 @@ def _group_method(prim: Primitive) -> Callable[..., Any]:
               f"``{prim.name}`` on every node of the group, in tree order (the results of "
               f"the nodes in one list, where it returns one).\n\nSee :mod:`{prim.apply.__module__}`.")
     return method
-
-
-def list_primitives(name_only: bool = True) -> list[str] | dict[str, Callable[..., Any]]:
-    """The primitives a recipe may hold (sorted), or with ``name_only=False`` a dict from
-    name to the function that implements it."""
-    found = {n: p.apply for n, p in sorted(PRIMITIVES.items()) if p.recorded}
-    return list(found) if name_only else found

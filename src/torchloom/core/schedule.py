@@ -37,7 +37,8 @@ from torch import nn
 
 from .errors import BuiltError, NotAModuleError, PathError, PrimitiveNameError
 from .primitive_methods import PrimitiveMethods
-from .recipe import Recipe
+from .primitive_table import PRIMITIVES
+from .recipe_data import Recipe
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -297,8 +298,6 @@ class Schedule(PrimitiveMethods):
 def _no_such_primitive(path: str, name: str) -> None:
     if name.startswith("_"):
         raise AttributeError(name)
-    from .registry import PRIMITIVES  # same layer; the registry imports this module
-
     near = difflib.get_close_matches(name, list(PRIMITIVES), n=1)
     raise PrimitiveNameError(
         f"a schedule has no primitive or attribute {name!r}", path=path, primitive=name,

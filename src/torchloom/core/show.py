@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import rich.tree
     import torch
 
-    from .recipe import RecipeEntry
+    from .recipe_data import RecipeEntry
     from .schedule import Schedule
 
 __all__ = ["render_tree", "rich_tree"]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,7 +204,7 @@ def count_saved(model: nn.Module) -> Iterator[SavedBytes]:
         yield saved
 
 
-def _unique(tensors: list[torch.Tensor]) -> int:
+def _unique(tensors: Iterable[torch.Tensor]) -> int:
     sizes = {_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(sizes.values())
 

@@ -53,13 +53,17 @@ import keyword
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import ScheduleError, TrainOptionError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from typing_extensions import TypeIs
 
 __all__ = ["CodeSpec", "TokenLM", "check_contract", "inner_module", "is_code_spec", "load",
            "looks_like_code", "schedule_root"]
@@ -292,7 +296,7 @@ class TokenLM(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def _is_transformers(model: nn.Module) -> bool:
+def _is_transformers(model: nn.Module) -> TypeIs[PreTrainedModel]:
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - a dependency
