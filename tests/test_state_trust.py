@@ -30,6 +30,7 @@ from torch import nn
 
 import torchloom as tl
 from torchloom.runtime import state as S
+from torchloom.runtime import state_dir
 
 POINTER = S.DIR_MARKER
 
@@ -432,7 +433,7 @@ def test_a_crash_in_the_cleanup_leaves_everything_loadable(two_saved, monkeypatc
     path, models = two_saved
     model, opt = _model(3)
     models[3] = _weights(model)
-    _crash_on_call(monkeypatch, S, "_remove_ours", 1)
+    _crash_on_call(monkeypatch, state_dir, "_remove_ours", 1)  # called by S._finish
     with pytest.raises(_Crash, match=r"^_remove_ours$"):
         S.save(model, opt, path, step=3)
     monkeypatch.undo()

@@ -173,6 +173,8 @@ def canonical_text(entry: RecipeEntry) -> str:
     from ..core.schedule import Schedule
 
     method = getattr(Schedule, entry.primitive, None)
+    if method is None:
+        return entry_text(entry)
     try:
         bound = inspect.signature(method).bind(None, *entry.args, **entry.kwargs)
     except (TypeError, ValueError):

@@ -66,6 +66,8 @@ def group_timeout(group: Any = None) -> float | None:
     """The timeout of ``group`` in seconds, if the backend tells it (None otherwise)."""
     try:
         pg = group if group is not None else dist.group.WORLD
+        if pg is None:  # no default group
+            return None
         for device in ("cpu", "cuda"):
             try:
                 backend = pg._get_backend(torch.device(device))

@@ -21,9 +21,16 @@ from .collectives import group_rank, group_size, guard_collective
 __all__ = ["CheckpointMismatchError", "full_optimizer_state_dict", "full_state_dict"]
 
 
-def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
+def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str, *,
+               within: bool = False) -> None:
+    """Raise :class:`CheckpointMismatchError` unless ``spec`` is a slice for this rank of
+    ``group`` (its world size and rank) of an axis that splits evenly. ``within``: the
+    group may also be a multiple of the tensor-parallel group (every rank of a pipeline
+    stage, data-parallel ranks included, as a save of an FSDP model calls it); the rank
+    cannot be checked then (DCP checks that the pieces make up each tensor)."""
     size, rank = group_size(group), group_rank(group)
-    if spec.world_size != size or spec.rank != rank:
+    stage = within and size > spec.world_size and size % spec.world_size == 0
+    if not stage and (spec.world_size != size or spec.rank != rank):
         raise CheckpointMismatchError(
             f"{key!r} was sharded for rank {spec.rank} of {spec.world_size}, but this is "
             f"rank {rank} of a group of {size}",
@@ -45,6 +52,35 @@ def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str) -> None:
         )
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter or
+    its optimizer state).
+
+    >>> is_dtensor(torch.zeros(2))
+    False
+    """
+    if not isinstance(tensor, torch.Tensor) or type(tensor) is torch.Tensor \
+            or type(tensor) is nn.Parameter:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def gather_full(key: str, tensor: torch.Tensor, spec: ShardSpec | None, group: Any,
+                primitive: str) -> torch.Tensor:
+    """The full tensor of ``tensor``: the shards of a DTensor (FSDP2, HSDP) gathered over
+    its mesh, then the tensor-parallel pieces of ``spec`` (its shard spec, or None) over
+    ``group``; a collective over both (every data-parallel rank calls it too)."""
+    local = tensor.detach()
+    if is_dtensor(local):
+        with torch.no_grad(), guard_collective("DTensor.full_tensor", primitive):
+            local = local.full_tensor()  # type: ignore[attr-defined]
+    if spec is None:
+        return local
+    return gather_shards(key, local, spec, group, primitive)
+
+
 def gather_shards(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
             primitive: str) -> torch.Tensor:
     check_spec(key, spec, group, primitive)
@@ -62,7 +98,9 @@ def full_state_dict(model: nn.Module, group: Any = None) -> dict[str, torch.Tens
     """The state dict of the original (unscheduled) model: every sharded tensor gathered to
     its full shape under the original key, in the original key order.
 
-    A collective: every rank of ``group`` calls it and gets the whole result. Unsharded
+    A collective: every rank of ``group`` calls it and gets the whole result; with FSDP2
+    or HSDP (``DTensor`` parameters) every rank of the data-parallel mesh calls it too,
+    each with its tensor-parallel ``group``. Unsharded
     tensors are returned detached, as ``state_dict()`` returns them; tied weights appear
     under each of their keys (gathered once). The result loads with
     ``load_state_dict(strict=True)`` into a fresh copy of the original model. The keys are
@@ -79,19 +117,18 @@ def full_state_dict(model: nn.Module, group: Any = None) -> dict[str, torch.Tens
     >>> list(sd), tuple(sd["0.weight"].shape)
     (['0.weight', '0.bias'], (6, 4))
     """
-    from .pipeline import PipelineModel
-
-    if isinstance(model, PipelineModel):  # gathered over the pipeline ranks too
-        return model.full_state_dict(group)
+    whole = getattr(type(model), "full_state_dict", None)  # a PipelineModel's method
+    if callable(whole):  # gathered over the pipeline ranks too
+        return whole(model, group)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
-        spec = shard_spec(tensor)
-        if spec is None:
+        if shard_spec(tensor) is None and not is_dtensor(tensor):
             out[key] = tensor.detach()
             continue
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = gather_shards(key, tensor, spec, group, "full_state_dict")
+            gathered[id(tensor)] = gather_full(key, tensor, shard_spec(tensor), group,
+                                               "full_state_dict")
         out[key] = gathered[id(tensor)]
     return out
 
@@ -125,7 +162,8 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer,
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                               group: Any = None) -> dict[str, dict[str, Any]]:
     """The optimizer state by parameter name, with the state of sharded parameters gathered
-    to full shape (a collective, like :func:`full_state_dict`).
+    to full shape (a collective, like :func:`full_state_dict`: with FSDP2 or HSDP every
+    rank calls it). Of a pipeline, the state of this rank's stages.
 
     >>> import torch
     >>> m = torch.nn.Linear(2, 1, bias=False)
@@ -140,9 +178,14 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             spec = shard_spec(p)
             state = {}
             for key, value in optimizer.state.get(p, {}).items():
-                if spec is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = gather_shards(f"{name}.{key}", value, spec, group,
-                                    "full_optimizer_state_dict")
+                if not isinstance(value, torch.Tensor):
+                    pass
+                elif spec is not None and value.shape == p.shape:  # its parameter's slice
+                    value = gather_full(f"{name}.{key}", value, spec, group,
+                                        "full_optimizer_state_dict")
+                elif is_dtensor(value):
+                    value = gather_full(f"{name}.{key}", value, None, group,
+                                        "full_optimizer_state_dict")
                 state[key] = value
             out[name] = state
     return out
