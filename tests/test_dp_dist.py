@@ -73,8 +73,8 @@ def _fsdp(rank: int) -> None:
 
 
 def _mesh_errors(rank: int) -> None:
-    with pytest.raises(tl.BuildError, match=r"the mesh dp x tp x pp = 3 x 1 x 1 = 3 does not "
-                                             r"cover the 2 ranks"):
+    with pytest.raises(tl.BuildError, match=r"the mesh pp x dp_replicate x dp_shard x cp x tp = "
+                                             r"1 x 3 x 1 x 1 x 1 = 3 does not cover the 2 ranks"):
         init_mesh(dp=3)
 
 

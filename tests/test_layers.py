@@ -18,8 +18,8 @@ import torchloom
 PACKAGE = Path(torchloom.__file__).parent
 
 #: Lowest first. ``torchloom`` itself (the facade ``__init__`` and ``__main__``) is above all.
-LAYERS = ["core", "graph", "runtime", "primitives", "ops", "schedules", "tools", "plan", "tune",
-          "apps"]
+LAYERS = ["core", "graph", "runtime", "primitives", "ops", "schedules", "parallel", "tools", "plan",
+          "tune", "apps"]
 
 
 def _module_name(path: Path) -> str:

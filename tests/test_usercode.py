@@ -211,7 +211,9 @@ def test_a_schedule_registered_for_the_users_class_takes_tp(tmp_path, monkeypatc
     T.check_config(cfg)  # not refused: the class has a schedule taking tp
     assert T.schedule_source(T.meta_model(cfg)) == "built-in schedule_registered"
     sch = tl.create_schedule(T.meta_model(cfg))
-    T._apply_schedule(sch, TrainConfig(model="tp_model.py:make", ckpt_ratio=0.5))
+    from torchloom.parallel import Layout, parallelize
+
+    parallelize(sch, Layout(ckpt_ratio=0.5), schedule_at="model")
     assert "sch['model.layers'].checkpoint(ratio=0.5)" in str(sch.recipe)  # the inner module
 
 

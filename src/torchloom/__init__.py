@@ -17,7 +17,8 @@ from __future__ import annotations
 from . import ops, schedules
 from .core import __version__
 from .graph import tracing
-from .runtime import parallel, pipeline
+from . import parallel
+from .runtime import pipeline
 
 models = schedules  # the package's name before 0.2: tl.models.apply_schedule still works
 from .core.errors import (
@@ -28,6 +29,7 @@ from .core.errors import (
     CompileError,
     DivideAttrsError,
     FuseError,
+    LayoutError,
     NoScheduleError,
     PathError,
     PatternError,
@@ -51,6 +53,7 @@ from .graph.pattern import Match, ModulePattern, Pattern
 from .primitives import list_primitives
 from .runtime import state
 from .runtime.agree import check_ranks_agree
+from .parallel import Layout, Parallelized, parallelize
 from .runtime.build import build
 from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
 from .runtime.materialise import init_empty_weights
@@ -83,6 +86,10 @@ __all__ = [
     # modules whose functions are public by module: tl.state.save, tl.pipeline.tied_weights, ...
     "models", "ops", "parallel", "pipeline", "schedules", "state", "tracing",
     "AnnotateError",
+    "Layout",
+    "LayoutError",
+    "Parallelized",
+    "parallelize",
     "DivideAttrsError",
     "NoScheduleError",
     "ScheduleConfigError",

@@ -475,14 +475,25 @@ def train(
                               "mixed precision with --dp-mode fsdp)."),
     tp: int = typer.Option(_train_default("tp"), help="Tensor-parallel degree."),
     dp: int = typer.Option(_train_default("dp"), help="Data-parallel degree."),
-    dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas) or fsdp "
-                                "(FSDP2 shards)."),
-    pp: int = typer.Option(_train_default("pp"), help="Pipeline stages (1F1B)."),
+    dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas), fsdp "
+                                "(FSDP2 shards) or hsdp (--dp-replicate groups of shards)."),
+    dp_replicate: int = typer.Option(_train_default("dp_replicate"), help="With --dp-mode "
+                                     "hsdp: replica groups (the --dp ranks are R groups of "
+                                     "dp / R FSDP2 shards)."),
+    pp: int = typer.Option(_train_default("pp"), help="Pipeline ranks."),
+    pipeline_schedule: str = typer.Option(_train_default("pipeline_schedule"),
+                                          help="GPipe, 1F1B, Interleaved1F1B, "
+                                          "InterleavedZeroBubble or ZBVZeroBubble."),
+    stages_per_rank: int = typer.Option(None, help="Pipeline stages per rank (default 2 "
+                                        "for the interleaved and zero-bubble schedules, "
+                                        "else 1)."),
     n_microbatches: int = typer.Option(_train_default("n_microbatches"), help="Pipeline "
                                        "micro-batches per step."),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),
     ckpt_ratio: float = typer.Option(_train_default("ckpt_ratio"),
                                      help="Checkpoint this fraction of the layers."),
+    ac: str = typer.Option(None, help="Checkpoint every layer: full (recompute all) or op "
+                           "(op-level selective: matrix products and attention kept)."),
     save_dir: str = typer.Option(None, help="Save directory: an empty or new directory, or "
                                  "one torchloom made (torchloom.save keeps the 2 newest "
                                  "checkpoints in it)."),

@@ -47,20 +47,21 @@ from typing import Any
 
 from ..core.errors import TrainOptionError
 
-__all__ = ["DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "RUN_FIELDS", "TrainConfig",
+__all__ = ["AC_MODES", "DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "RUN_FIELDS", "TrainConfig",
            "TrainOptionError", "load_toml", "model_kind", "options"]
 
 PRIMITIVE = "torchloom train"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16")
 DECAYS = ("cosine", "linear", "constant")
-DP_MODES = ("ddp", "fsdp")
+DP_MODES = ("ddp", "fsdp", "hsdp")
+AC_MODES = ("full", "op")
 
 RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batches", "steps",
               "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",
               "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "dp",
-              "dp_mode", "pp", "n_microbatches", "sequence_parallel", "ckpt_ratio",
-              "deterministic")
+              "dp_mode", "dp_replicate", "pp", "pipeline_schedule", "stages_per_rank",
+              "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic")
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
@@ -132,12 +133,23 @@ class TrainConfig:
     tp: int = 1
     dp: int = 1
     dp_mode: str = "ddp"
-    """How the data-parallel ranks share the model: ``ddp`` (replicas) or ``fsdp`` (FSDP2)."""
+    """How the data-parallel ranks share the model: ``ddp`` (replicas), ``fsdp`` (FSDP2
+    shards) or ``hsdp`` (``dp_replicate`` replica groups of ``dp / dp_replicate`` FSDP2
+    shards)."""
+    dp_replicate: int = 1
+    """With ``dp_mode="hsdp"``: the replica groups (2 or more, dividing ``dp``)."""
     pp: int = 1
-    """Pipeline stages (the layers split evenly), run with the 1F1B schedule."""
+    """Pipeline ranks (the layers split evenly into ``pp x stages_per_rank`` stages)."""
+    pipeline_schedule: str = "1F1B"
+    """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
+    stages_per_rank: int | None = None
+    """Stages per pipeline rank (default 2 for the interleaved and zero-bubble schedules)."""
     n_microbatches: int = 4
     sequence_parallel: bool = False
     ckpt_ratio: float = 0.0
+    ac: str | None = None
+    """Activation checkpointing of every layer: ``full`` (recompute all) or ``op`` (op-level
+    selective: matrix products and attention kept); None: ``ckpt_ratio`` decides."""
     save_dir: str | None = None
     save_every: int = 0
     """Save after every ``save_every`` steps (0: only at the end, if ``save_dir``)."""
@@ -182,6 +194,12 @@ class TrainConfig:
     def world(self) -> int:
         return self.tp * self.dp * self.pp
 
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 shards the model (``dp_mode`` fsdp or hsdp, over 2 or more
+        ranks)."""
+        return self.dp > 1 and self.dp_mode in ("fsdp", "hsdp")
+
     def warmup(self) -> int:
         """The warm-up steps in effect."""
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 10)
@@ -189,6 +207,25 @@ class TrainConfig:
     def micro_batch(self) -> int:
         """Sequences per forward on one data-parallel rank."""
         return self.batch_size // (self.dp * self.grad_accum)
+
+    def layout(self) -> Any:
+        """The run's :class:`torchloom.Layout`: the degrees, the pipeline schedule, the
+        micro-batches, the checkpointing and the precision (``dtype="bf16"``: fp32
+        weights, bf16 compute, fp32 gradient reduction)."""
+        from ..parallel.layout import Layout
+
+        replicate = self.dp_replicate if self.dp_mode == "hsdp" else (
+            self.dp if self.dp_mode == "ddp" else 1)
+        micro = self.micro_batch() // self.n_microbatches if self.pp > 1 else self.micro_batch()
+        return Layout(
+            dp_replicate=replicate, dp_shard=self.dp // replicate, tp=self.tp,
+            sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
+            stages_per_rank=self.stages_per_rank,
+            n_microbatches=self.n_microbatches if self.pp > 1 else 1,
+            grad_accum=self.grad_accum, micro_batch=max(1, micro), seq_len=self.seq_len,
+            ckpt_ratio=self.ckpt_ratio if self.ac is None else 0.0, ac=self.ac,
+            mixed_precision="bf16" if self.dtype == "bf16" else None,
+            reduce_dtype="fp32" if self.dtype == "bf16" else None)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -238,11 +275,13 @@ _INTS = {  # name: (lowest allowed, what it is, example)
     "save_every": (0, "the checkpoint interval (0: at the end)", 20),
     "tp": (1, "the tensor-parallel degree", 2),
     "dp": (1, "the data-parallel degree", 2),
+    "dp_replicate": (1, "the HSDP replica groups", 2),
     "pp": (1, "the number of pipeline stages", 2),
     "n_microbatches": (1, "the number of pipeline micro-batches", 4),
     "threads": (0, "the number of torch threads (0: automatic)", 2),
 }
 _CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES}
+_OPTIONAL_CHOICES = {"ac": AC_MODES}
 _PATHS = ("save_dir", "save_pretrained", "metrics", "tensorboard")
 _BOOLS = ("sequence_parallel", "resume", "allow_config_change", "allow_missing",
           "deterministic", "progress")
@@ -294,6 +333,21 @@ def _validate(c: TrainConfig) -> None:
         if value not in choices:
             raise _fail(name, value, f"must be one of {', '.join(choices)}", choices[0],
                         {name: value, "choices": list(choices)})
+    for name, choices in _OPTIONAL_CHOICES.items():
+        value = getattr(c, name)
+        if value is not None and value not in choices:
+            raise _fail(name, value, f"must be one of {', '.join(choices)}", choices[0],
+                        {name: value, "choices": list(choices)})
+    from ..parallel.layout import PIPELINE_SCHEDULES
+
+    if c.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise _fail("pipeline_schedule", c.pipeline_schedule,
+                    f"must be one of {', '.join(PIPELINE_SCHEDULES)}", "1F1B",
+                    {"pipeline_schedule": c.pipeline_schedule,
+                     "choices": list(PIPELINE_SCHEDULES)})
+    if c.stages_per_rank is not None and (not _is_int(c.stages_per_rank) or
+                                          c.stages_per_rank < 1):
+        raise _fail("stages_per_rank", c.stages_per_rank, "must be a positive integer", 2)
     for name in _PATHS:
         value = getattr(c, name)
         if value is not None and (not isinstance(value, str) or not value):
@@ -356,16 +410,25 @@ def _check_combinations(c: TrainConfig) -> None:
             "--sp: sequence parallelism needs --tp 2 or more", primitive=PRIMITIVE,
             values={"sequence_parallel": True, "tp": c.tp},
             fix="--tp 2 --sp, or leave --sp out (in a TOML file: sequence_parallel = false)")
-    if c.pp > 1 and c.dtype == "bf16":
+    if c.dp_mode == "hsdp" and (c.dp_replicate < 2 or c.dp % c.dp_replicate or
+                                c.dp // c.dp_replicate < 2):
         raise TrainOptionError(
-            "--dtype bf16 with --pp: the pipeline's send and receive buffers are sized in fp32 "
-            "when it is built", primitive=PRIMITIVE, values={"dtype": c.dtype, "pp": c.pp},
-            fix="--dtype fp32 with --pp, or bf16 with --tp / --dp")
-    if c.dp_mode == "fsdp" and c.pp > 1:
+            f"--dp-mode hsdp: --dp {c.dp} ranks are --dp-replicate {c.dp_replicate} replica "
+            "groups of FSDP2 shards, and HSDP needs at least 2 of each",
+            primitive=PRIMITIVE, values={"dp": c.dp, "dp_replicate": c.dp_replicate},
+            fix="--dp 4 --dp-mode hsdp --dp-replicate 2 (2 replicas of 2 shards)")
+    if c.dp_mode != "hsdp" and c.dp_replicate != 1:
         raise TrainOptionError(
-            "--dp-mode fsdp with --pp: a pipeline's data-parallel replicas average their "
-            "gradients (ddp)", primitive=PRIMITIVE, values={"dp_mode": c.dp_mode, "pp": c.pp},
-            fix="--dp-mode ddp with --pp")
+            f"--dp-replicate {c.dp_replicate} is for --dp-mode hsdp", primitive=PRIMITIVE,
+            values={"dp_mode": c.dp_mode, "dp_replicate": c.dp_replicate},
+            fix=f"--dp-mode hsdp --dp-replicate {c.dp_replicate}, or leave --dp-replicate out")
+    if c.ac is not None and c.ckpt_ratio:
+        raise TrainOptionError(
+            f"--ac {c.ac} checkpoints every layer and --ckpt-ratio {c.ckpt_ratio} a share of "
+            "them", primitive=PRIMITIVE, values={"ac": c.ac, "ckpt_ratio": c.ckpt_ratio},
+            fix=f"--ac {c.ac} alone, or --ckpt-ratio {c.ckpt_ratio} alone")
+    if c.pp > 1:
+        _check_pipeline(c)
     if c.dp_mode == "fsdp" and c.save_dir:
         raise TrainOptionError(
             "--dp-mode fsdp with --save-dir: torchloom checkpoints hold tensor-parallel "
@@ -388,6 +451,25 @@ def _check_combinations(c: TrainConfig) -> None:
         except ImportError:
             raise _fail("tensorboard", c.tensorboard, "TensorBoard is not installed",
                         c.tensorboard, {"tensorboard": c.tensorboard}) from None
+
+
+def _check_pipeline(c: TrainConfig) -> None:
+    """The pipeline's options against each other, through the run's Layout (its message,
+    with the flags named)."""
+    from ..core.errors import LayoutError
+
+    try:
+        c.layout()
+    except LayoutError as exc:
+        raise TrainOptionError(
+            f"--pp {c.pp} --pipeline-schedule {c.pipeline_schedule}: {exc.problem}",
+            primitive=PRIMITIVE,
+            values={"pp": c.pp, "pipeline_schedule": c.pipeline_schedule,
+                    "stages_per_rank": c.stages_per_rank,
+                    "n_microbatches": c.n_microbatches, "grad_accum": c.grad_accum},
+            fix="--n-microbatches at least --pp; --stages-per-rank 2 or more with an "
+            "interleaved or zero-bubble schedule, 1 with GPipe or 1F1B; exactly 2 with "
+            "ZBVZeroBubble") from None
 
 
 def _key(name: str) -> str:

@@ -47,7 +47,6 @@ itself (gloo, local).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -55,7 +54,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -65,8 +64,8 @@ from .. import schedules
 from ..core.errors import NonFiniteLossError, ScheduleError
 from ..core.meta import shard_spec
 from ..core.outputs import no_cache_kwargs
-from ..core.schedule import create_schedule
-from ..runtime.build import build
+from ..core.rules import layer_stacks
+from ..parallel import Parallelized, create_schedule, init_mesh, parallelize
 from ..runtime.collectives import guard_collective
 from ..runtime.loop import lr_at, train_step
 from ..runtime.materialise import init_empty_weights
@@ -306,10 +305,14 @@ def layout_text(cfg: TrainConfig) -> str:
     if cfg.pp > 1:
         accum = f" = {cfg.n_microbatches} x {cfg.grad_accum} accumulated" \
             if cfg.grad_accum > 1 else ""
-        parts.append(f"pp{cfg.pp} (1F1B, {cfg.n_microbatches * cfg.grad_accum} "
-                     f"micro-batches{accum})")
+        per_rank = cfg.layout().per_rank
+        virtual = f", {per_rank} stages a rank" if per_rank > 1 else ""
+        parts.append(f"pp{cfg.pp} ({cfg.pipeline_schedule}, {cfg.n_microbatches * cfg.grad_accum} "
+                     f"micro-batches{accum}{virtual})")
     if cfg.dp > 1:
-        parts.append(f"dp{cfg.dp} ({cfg.dp_mode})")
+        mode = (f"hsdp: {cfg.dp_replicate} replicas x {cfg.dp // cfg.dp_replicate} shards"
+                if cfg.dp_mode == "hsdp" else cfg.dp_mode)
+        parts.append(f"dp{cfg.dp} ({mode})")
     text = " x ".join(parts) or "one rank"
     text += f", {cfg.batch_size} sequences a step"
     if cfg.pp == 1 and (cfg.dp > 1 or cfg.grad_accum > 1):
@@ -344,20 +347,15 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def layer_lists(model: nn.Module, name: str | None = None) -> list[str]:
-    """The paths of the model's lists of transformer layers: the zoo's for a zoo ``name``,
-    else every ``nn.ModuleList`` not inside another one.
+    """The paths of the model's stacks of layers: the zoo's for a zoo ``name``, else
+    :func:`~torchloom.core.rules.layer_stacks`.
 
     >>> layer_lists(zoo.make_model("llama"))
     ['model.layers']
     """
     if name is not None and name in zoo.list_models():
         return zoo.layer_paths(name)
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and \
-                not any(path.startswith(f + ".") for f in found):
-            found.append(path)
-    return found
+    return layer_stacks(model)
 
 
 def _has_builtin_schedule(model: nn.Module, knob: str | None = None) -> bool:
@@ -369,20 +367,6 @@ def _has_builtin_schedule(model: nn.Module, knob: str | None = None) -> bool:
     except ScheduleError:
         return False
     return knob is None or knob in getattr(fn, "knobs", (knob,))
-
-
-def _apply_schedule(sch: Any, cfg: TrainConfig) -> None:
-    """The built-in schedule with the run's knobs; a pipeline checkpoints its layers after
-    the stages are cut (:meth:`_Run.build_pipeline`), since tracing stops at checkpointed
-    layers."""
-    ckpt_ratio = cfg.ckpt_ratio if cfg.pp == 1 else 0.0
-    root = usercode.schedule_root(sch)  # a user's module inside its TokenLM
-    if _has_builtin_schedule(root.mod):
-        schedules.apply_schedule(root, schedules.ScheduleConfig(
-            tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, ckpt_ratio=ckpt_ratio))
-    elif ckpt_ratio:
-        for path in layer_lists(root.mod):
-            root[path].checkpoint(ratio=ckpt_ratio)
 
 
 _GROWN = frozenset({"gpt2", "bert", "llama"})
@@ -800,28 +784,25 @@ class _Run:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.report = report or (lambda record: None)
         self.device = _device(cfg, rank)
-        self.mesh = self.tp_group = self.dp_group = self.pp_group = None
+        self.layout = cfg.layout()
+        self.mesh = init_mesh(self.layout, device_type=cfg.device)
+        self.tp_group = self.dp_group = self.pp_group = self.stage_group = None
         self.tp_rank = self.dp_rank = self.pp_rank = 0
-        if world > 1:
-            from ..runtime.parallel import init_mesh
-
-            self.mesh = init_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, device_type=cfg.device)
-            self.tp_group = self.mesh["tp"].get_group()
-            self.dp_group = self.mesh["dp"].get_group()
-            self.pp_group = self.mesh["pp"].get_group()
-            self.tp_rank = self.mesh["tp"].get_local_rank()
-            self.dp_rank = self.mesh["dp"].get_local_rank()
-            self.pp_rank = self.mesh["pp"].get_local_rank()
+        if self.mesh is not None:
+            self.tp_group, self.dp_group, self.pp_group, self.stage_group = (
+                self.mesh.group(d) for d in ("tp", "dp", "pp", "stage"))
+            self.tp_rank, self.dp_rank, self.pp_rank = (
+                self.mesh.local_rank(d) for d in ("tp", "dp", "pp"))
         self.corpus = load_data(cfg)
-        self.bf16 = cfg.dtype == "bf16"
-        self.fsdp = cfg.dp > 1 and cfg.dp_mode == "fsdp"
+        self.fsdp = cfg.fsdp
+        self.built: Parallelized | None = None
         self.checkpoint: str | None = None
 
     # ---- pieces
 
     def autocast(self) -> Any:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=self.bf16 and not self.fsdp)
+        assert self.built is not None
+        return self.built.autocast(self.device.type)
 
     def seed_step(self, step: int) -> None:
         # Everything random in a step is a function of (seed, step): resumable exactly.
@@ -954,49 +935,29 @@ class _Run:
     # ---- the run
 
     def build(self) -> tuple[Any, nn.Module, list[nn.Parameter], dict[int, int], Any]:
-        """``(model to call, module to save, parameters, tied, schedule)``."""
+        """``(model to call, module to save, parameters, tied, schedule)``: the model under
+        the run's layout (:func:`torchloom.parallelize`)."""
         cfg = self.cfg
         model, weights = make_model(cfg, self.device)
-        sch = create_schedule(model, group=self.tp_group)
-        _apply_schedule(sch, cfg)
+        sch = create_schedule(model, self.mesh)
+        example = loss_fn = None
         if cfg.pp > 1:
-            return (*self.build_pipeline(sch, weights), sch)
-        if cfg.model_kind != "zoo":
-            torch.manual_seed(cfg.seed)  # random init of a config model is the seed's
-        target = "ddp" if cfg.dp > 1 and not self.fsdp else None
-        built, _ = build(sch, target=target, mesh=self.mesh, device=self.device,
-                         weights=weights, strict=not cfg.allow_missing)
-        if self.fsdp:
-            built = _fully_shard(built, self.mesh, self.bf16)
-        params = list(built.parameters())
-        return built, sch.mod, params, {}, sch
+            micro = data.window_batch(self.corpus.train, 0, self.layout.micro_batch,
+                                      cfg.seq_len, cfg.seed).to(self.device)
+            example, loss_fn = {"input_ids": micro}, next_token_loss
 
-    def build_pipeline(self, sch: Any, weights: str | None
-                       ) -> tuple[Any, nn.Module, list[nn.Parameter], dict[int, int]]:
-        """Cut the layers into ``pp`` even stages (1F1B schedule)."""
-        cfg = self.cfg
-        layers = layer_lists(sch.mod, cfg.model)[0]
-        count = len(sch[layers].child)
-        micro = data.window_batch(self.corpus.train, 0, cfg.micro_batch() // cfg.n_microbatches,
-                                  cfg.seq_len, cfg.seed).to(self.device)
-        sch.trace_until(f"{layers}.*", example_inputs={"input_ids": micro})
-        per_stage = count // cfg.pp
-        for stage in range(cfg.pp - 1):
-            sch[f"{layers}.{(stage + 1) * per_stage - 1}"].cut_pipeline_stage()
-        if cfg.ckpt_ratio:  # after the trace: it stops at checkpointed layers
-            sch[layers].checkpoint(ratio=cfg.ckpt_ratio)
-        if cfg.model_kind != "zoo":
-            torch.manual_seed(cfg.seed)
-        pipe, _ = build(sch, target="pipeline", mesh=self.mesh, schedule="1F1B",
-                        # gradient accumulation under a pipeline: more micro-batches in
-                        # the same 1F1B step (equal to accumulating, and 1F1B keeps at
-                        # most pp of them in flight, so no more activation memory)
-                        n_microbatches=cfg.n_microbatches * cfg.grad_accum,
-                        loss_fn=next_token_loss,
-                        example_inputs=(micro,), device=self.device, weights=weights,
-                        strict=not cfg.allow_missing)
-        tied = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
-        return pipe, pipe, list(pipe.parameters()), tied
+        def seed() -> None:
+            if cfg.model_kind != "zoo":
+                torch.manual_seed(cfg.seed)  # random init of a config model is the seed's
+
+        inner = usercode.inner_module(model)
+        built = parallelize(
+            sch, self.layout, mesh=self.mesh, device=self.device, weights=weights,
+            strict=not cfg.allow_missing, example_inputs=example, loss_fn=loss_fn,
+            schedule_at="model" if inner is not model else "",
+            stacks=_zoo_stacks(cfg, model), before_build=seed)
+        self.built = built
+        return built.model, built.module, built.parameters(), built.ties, sch
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -1063,26 +1024,19 @@ class _Run:
 
     def no_sync(self, model: Any, skip: bool) -> Any:
         """Skip the data-parallel gradient reduction of a micro-step that is not the last."""
-        if not skip or self.cfg.dp == 1:
-            return contextlib.nullcontext()
-        if self.fsdp:
-            return _fsdp_no_sync(model)
-        return model.no_sync()
+        assert self.built is not None
+        return self.built.no_sync(skip)
 
     def pipeline_step(self, pipe: Any, step: int) -> float:
         ids = self.local_batch(step)
-        loss = pipe.step(ids, target=ids)
+        with self.autocast():
+            loss = pipe.step(ids, target=ids)
         value = torch.zeros((), device=self.device) if loss is None else loss.detach().clone()
         last = dist.get_global_rank(self.pp_group, self.cfg.pp - 1)
         with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
             dist.broadcast(value, src=last, group=self.pp_group)
-        if self.cfg.dp > 1:  # the replicas average their gradients
-            for p in pipe.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                with guard_collective("all_reduce", _PRIMITIVE, self.dp_group):
-                    dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(self.cfg.dp)
+        assert self.built is not None
+        self.built.reduce_gradients()  # DDP replicas of a pipeline (FSDP2 reduces itself)
         return self.dp_mean(value)
 
     @torch.no_grad()
@@ -1119,25 +1073,10 @@ class _Run:
         return value
 
 
-def _fully_shard(model: nn.Module, mesh: Any, bf16: bool) -> nn.Module:
-    """``build(target="fsdp")``'s sharding, with bf16 compute and fp32 gradient reduction
-    when ``bf16``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from ..runtime.parallel import _dp_mesh, fully_shard_model
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if bf16 else MixedPrecisionPolicy()
-    return fully_shard_model(model, _dp_mesh(mesh), mp_policy=policy)
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: Any) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+def _zoo_stacks(cfg: TrainConfig, model: nn.Module) -> list[str] | None:
+    """A zoo model's stacks of layers as the zoo names them (None: found by
+    :func:`~torchloom.core.rules.layer_stacks`)."""
+    return zoo.layer_paths(cfg.model) if cfg.model_kind == "zoo" else None
 
 
 def _step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

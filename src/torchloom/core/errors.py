@@ -218,7 +218,13 @@ class PlanError(ScheduleError):
     """A model, layout, device profile or option the planner cannot use."""
 
 
-__all__ += ["TuneError", "TuneDatabaseError", "PlanError"]
+class LayoutError(PlanError):
+    """A :class:`torchloom.Layout` that contradicts itself, the world it runs on or the
+    model it spreads (degrees, micro-batches, stage cuts, dtypes); raised by the planner
+    as by ``torchloom train`` and :func:`torchloom.parallelize`, before any rank starts."""
+
+
+__all__ += ["TuneError", "TuneDatabaseError", "PlanError", "LayoutError"]
 
 
 class ScheduleConfigError(ScheduleError):

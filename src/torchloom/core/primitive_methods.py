@@ -40,7 +40,8 @@ class PrimitiveMethods:
         """Tag a parameter (``torchloom.primitives.annotate``)."""
         _unregistered("annotate")
 
-    def checkpoint(self, ratio: float | None = None, subgraph: Any = None) -> None:
+    def checkpoint(self, ratio: float | None = None, subgraph: Any = None,
+                   policy: str | None = None) -> None:
         """Activation checkpointing (``torchloom.primitives.checkpoint``)."""
         _unregistered("checkpoint")
 

@@ -1,4 +1,4 @@
-"""``checkpoint(ratio=None)``: recompute a module's activations in backward.
+"""``checkpoint(ratio=None, policy=None)``: recompute a module's activations in backward.
 
 Without ``ratio``, the module at the node runs under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``:
@@ -16,6 +16,12 @@ by ``fork_rng``). The module is *not* wrapped in a new module, so the module tre
 ``state_dict()`` / ``named_parameters()`` keys and ``print(model)`` are unchanged. Module
 hooks (``register_forward_hook`` and friends) run once, outside the checkpointed region,
 and are not replayed by the recompute. The module is marked ``CHECKPOINTED`` (:mod:`torchloom.core.marks`).
+
+With ``policy="op"`` (op-level selective checkpointing, as torchtitan's ``--ac op``): the
+outputs of the expensive operators inside the module (matrix products, attention kernels,
+reduce-scatters; :data:`SAVED_OPS`) are kept from the forward, and only the cheap ones
+(element-wise, normalisation) are recomputed: less recompute than full checkpointing for
+more memory (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 
 Random numbers: the recompute must draw the same dropout masks as the forward did.
 ``preserve_rng_state=True`` restores the global CPU and device generators; in addition the
@@ -160,11 +166,74 @@ def tracker_context_fn() -> tuple[_TakeSnapshot, _ReplaySnapshot]:
     return _TakeSnapshot(snapshot), _ReplaySnapshot(snapshot)
 
 
+POLICIES = ("op",)
+"""The ``policy`` values: ``"op"`` (keep :data:`SAVED_OPS`' outputs, recompute the rest)."""
+
+
+def _saved_ops() -> frozenset[Any]:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        ops.add(c10d.reduce_scatter_tensor.default)
+    return frozenset(ops)
+
+
+SAVED_OPS = _saved_ops()
+"""The operators whose outputs ``policy="op"`` keeps from the forward."""
+
+
+def _op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Both:
+    """Two context managers entered as one (the rng tracker's and the selective policy's)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Literal[False]:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+        return False
+
+
+def op_context_fn() -> tuple[_Both, _Both]:
+    """``tracker_context_fn`` with the op-level selective policy (``policy="op"``)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    take, replay = tracker_context_fn()
+    forward, recompute = create_selective_checkpoint_contexts(_op_policy)
+    return _Both(take, forward), _Both(replay, recompute)
+
+
+def _context_fn(policy: str | None) -> Any:
+    return op_context_fn if policy == "op" else tracker_context_fn
+
+
 # --------------------------------------------------------------------------- the forward
 
 
 class _CheckpointForward(ForwardWrapper):
     """The instance ``forward`` installed by ``checkpoint``."""
+
+    policy: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.module.training and torch.is_grad_enabled()):
@@ -184,7 +253,7 @@ class _CheckpointForward(ForwardWrapper):
             *kwargs.values(),
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=tracker_context_fn,
+            context_fn=_context_fn(getattr(self, "policy", None)),
         )
 
     def __repr__(self) -> str:
@@ -274,9 +343,11 @@ def _check_not_checkpointed(node: Schedule, called_at: str, fix: str) -> None:
         )
 
 
-def _install(node: Schedule) -> None:
+def _install(node: Schedule, policy: str | None = None) -> None:
     mod = node.mod
-    mod.forward = _CheckpointForward(mod, mod.__dict__.get("forward"), node.path)
+    wrapper = _CheckpointForward(mod, mod.__dict__.get("forward"), node.path)
+    wrapper.policy = policy
+    mod.forward = wrapper
     set_mark(mod, CHECKPOINTED, True)
 
 
@@ -287,7 +358,7 @@ def _item_path(sch: Schedule) -> str:
     return f"{sch.path}.*" if sch.path else "*"
 
 
-def _apply_whole(sch: Schedule) -> None:
+def _apply_whole(sch: Schedule, policy: str | None) -> None:
     if not _has_forward(sch.mod):
         raise CheckpointError(
             f"a {type(sch.mod).__name__} has no forward of its own to checkpoint",
@@ -301,10 +372,10 @@ def _apply_whole(sch: Schedule) -> None:
         sch, sch.path, fix=f"checkpoint each module once: remove the second "
         f"sch[{sch.path!r}].checkpoint()"
     )
-    _install(sch)
+    _install(sch, policy)
 
 
-def _apply_ratio(sch: Schedule, ratio: Any) -> None:
+def _apply_ratio(sch: Schedule, ratio: Any, policy: str | None) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or \
             not 0 <= ratio <= 1:  # type: ignore[operator]  # typeshed: int <= Real
         raise CheckpointError(
@@ -346,7 +417,7 @@ def _apply_ratio(sch: Schedule, ratio: Any) -> None:
         )
         chosen.append(node)
     for node in chosen:  # all checks passed: nothing is half-applied on error
-        _install(node)
+        _install(node, policy)
 
 
 class CheckpointWrapper(GraphHolder):
@@ -370,10 +441,21 @@ def _apply_subgraph(sch: Schedule, subgraph: Any) -> None:
 
 
 @primitive(NAME, errors=(CheckpointError,), record_as={"subgraph": recorded_matches})
-def apply(sch: Schedule, ratio: float | None = None, subgraph: Any = None) -> None:
+def apply(sch: Schedule, ratio: float | None = None, subgraph: Any = None,
+          policy: str | None = None) -> None:
     """Checkpoint ``sch.mod``, or with ``ratio`` the first ``floor(ratio * n)`` items of
     the ``ModuleList`` / ``Sequential`` at ``sch``, or with ``subgraph`` the matched
-    subgraph(s) of its traced graph."""
+    subgraph(s) of its traced graph; ``policy="op"``: op-level selective (see the module
+    docstring)."""
+    if policy is not None and policy not in POLICIES:
+        raise CheckpointError(
+            f"unknown checkpoint policy {policy!r}", path=sch.path, primitive=NAME,
+            values={"policy": policy, "policies": list(POLICIES)},
+            fix=f"sch[{sch.path!r}].checkpoint(policy='op'), or no policy (recompute all)")
+    if policy is not None and subgraph is not None:
+        raise CheckpointError(
+            "policy and subgraph cannot be combined", path=sch.path, primitive=NAME,
+            values={"policy": policy}, fix=f"sch[{sch.path!r}].checkpoint(subgraph=matches)")
     if subgraph is not None:
         if ratio is not None:
             raise CheckpointError(
@@ -384,6 +466,6 @@ def apply(sch: Schedule, ratio: float | None = None, subgraph: Any = None) -> No
             )
         _apply_subgraph(sch, subgraph)
     elif ratio is None:
-        _apply_whole(sch)
+        _apply_whole(sch, policy)
     else:
-        _apply_ratio(sch, ratio)
+        _apply_ratio(sch, ratio, policy)

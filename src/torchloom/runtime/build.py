@@ -178,6 +178,7 @@ def build(
     weights: str | os.PathLike | None = None,
     init: str = "full",
     strict: bool = True,
+    stage_wrapper: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[Any, torch.optim.Optimizer | None]:
     """Materialise and return the scheduled model, and optionally its optimizer.
 
@@ -206,7 +207,8 @@ def build(
         fsdp_units: for ``"fsdp"``, the module paths (wildcards allowed) sharded as units
             before the root; default: every item of every ``ModuleList``.
         schedule, n_microbatches, loss_fn, example_inputs: for ``"pipeline"``: the
-            schedule (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``), the micro-batches
+            schedule (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``), the micro-batches
             per step, ``loss_fn(output, target)`` on the last stage, and one example
             micro-batch (what crosses between stages is sized on it). The pipeline runs
             on the ``"pp"`` dimension of ``mesh`` (or all ranks); the schedule is
@@ -248,6 +250,9 @@ def build(
             the folder's file (the default, on every layout: one process, TP, FSDP and
             every pipeline rank, which checks the whole model); ``strict=False``
             initialises it as usual and lists it in one warning.
+        stage_wrapper: for ``"pipeline"``, applied to each of this rank's stage modules
+            after materialisation and before the pipeline runtime sees them (FSDP2 per
+            stage: :func:`torchloom.parallelize` passes ``fully_shard``).
 
     Returns:
         ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place; wrapped in
@@ -337,7 +342,7 @@ def build(
 
         model = build_pipeline(sch, schedule=schedule, n_microbatches=n_microbatches,
                                loss_fn=loss_fn, example_inputs=example_inputs, group=pp_group,
-                               device=dev)
+                               device=dev, stage_wrapper=stage_wrapper)
     else:
         model = wrap_data_parallel(model, target, mesh, fsdp_units)
     opt = None

@@ -1,7 +1,7 @@
 """Device meshes and data-parallel wrapping (the last step of ``build``).
 
 A run with several kinds of parallelism lays its ranks out on a mesh of named dimensions
-``("pp", "dp", "tp")``: :func:`init_mesh` makes it (``torch.distributed.device_mesh``),
+(:mod:`torchloom.runtime.mesh`): :func:`init_mesh` makes it for ``pp`` x ``dp`` x ``tp``,
 the schedule takes the tensor-parallel group (``create_schedule(model,
 group=mesh["tp"].get_group())``) and ``build`` wraps the model for data parallelism on the
 ``"dp"`` dimension:
@@ -9,8 +9,8 @@ group=mesh["tp"].get_group())``) and ``build`` wraps the model for data parallel
 * ``target="ddp"``: :class:`torch.nn.parallel.DistributedDataParallel` on the dp group:
   gradients are averaged across the dp ranks after backward;
 * ``target="fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``, the ZeRO-3
-  analogue): each transformer layer (every item of every ``ModuleList``, or the paths
-  given) and then the root is sharded over the dp ranks; parameters become ``DTensor``
+  analogue): each transformer layer (every item of each stack of layers,
+  :func:`~torchloom.core.rules.layer_stacks`, or the paths given) and then the root is sharded over the dp ranks; parameters become ``DTensor``
   shards, gathered for compute and re-sharded after use; gradients are reduce-scattered.
 
 Tensor-parallel shards compose with both: a dp group's ranks hold the same tensor-parallel
@@ -34,57 +34,45 @@ from torch import nn
 
 from ..core.errors import BuildError
 from ..core.meta import copy_meta
-from .process_group import device_type_of
+from ..core.rules import layer_stacks
+from .mesh import DIMS, Mesh, make_mesh
 
 __all__ = ["MESH_DIMS", "init_mesh", "wrap_data_parallel", "DP_TARGETS"]
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = DIMS
 DP_TARGETS = ("ddp", "fsdp")
 
 
-def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, device_type: str | None = None) -> Any:
-    """A ``DeviceMesh`` of shape ``(pp, dp, tp)`` named ``("pp", "dp", "tp")`` over the
-    default process group (which must already be initialised, e.g. by ``torchrun``).
-
-    Ranks are laid out tp-fastest: ranks ``0..tp-1`` form the first tensor-parallel group,
-    so tensor parallelism, the most communication-heavy, stays on neighbouring ranks.
-    ``device_type`` None: the device of the group's backend (``"cuda"`` for NCCL, else
-    ``"cpu"``; :func:`~torchloom.runtime.process_group.device_type_of`).
+def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, device_type: str | None = None) -> Mesh:
+    """The :class:`~torchloom.runtime.mesh.Mesh` of ``pp`` stages, ``dp`` data-parallel
+    replicas and ``tp`` tensor-parallel ranks over the default process group (which must
+    already be initialised, e.g. by ``torchrun``): :func:`~torchloom.runtime.mesh.make_mesh`
+    with ``dp_replicate=dp``. ``mesh["tp"]``, ``mesh["dp"]`` and ``mesh["pp"]`` are its
+    1-D meshes. Ranks are laid out tp-fastest: ranks ``0..tp-1`` form the first
+    tensor-parallel group. ``device_type`` None: the device of the group's backend.
+    For HSDP, context or expert parallelism, describe the run with a
+    :class:`torchloom.Layout` and use :func:`torchloom.parallel.init_mesh`.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise BuildError(
-            "a device mesh needs an initialised process group",
-            primitive="init_mesh", values={"dp": dp, "tp": tp, "pp": pp},
-            fix="start with torchrun (or torch.distributed.init_process_group) first",
-        )
-    world = dist.get_world_size()
-    if dp * tp * pp != world:
-        raise BuildError(
-            f"the mesh dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} does not cover the "
-            f"{world} ranks",
-            primitive="init_mesh", values={"dp": dp, "tp": tp, "pp": pp, "world_size": world},
-            fix=f"choose sizes whose product is {world}, e.g. init_mesh(dp={world // (tp * pp) or 1}, "
-            f"tp={tp}, pp={pp})" if world % (tp * pp) == 0 else
-            f"choose sizes whose product is {world}",
-        )
-    return init_device_mesh(device_type or device_type_of(), (pp, dp, tp),
-                            mesh_dim_names=MESH_DIMS)
+    return make_mesh(pp=pp, dp_replicate=dp, tp=tp, device_type=device_type)
 
 
 def _dp_mesh(mesh: Any) -> Any:
+    """What FSDP2 shards over and DDP averages over: a :class:`Mesh`'s data-parallel
+    view (HSDP's 2-D mesh for FSDP2 when it has one), or a 1-D mesh as given."""
     if mesh is None:
         return None
+    if isinstance(mesh, Mesh):
+        return mesh
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["dp"] if "dp" in names and len(names) > 1 else mesh
 
 
 def _default_units(model: nn.Module) -> list[str]:
+    """Every layer of the model's stacks (:func:`~torchloom.core.rules.layer_stacks`)."""
     units = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            units += [f"{name}.{i}" if name else str(i) for i in range(len(module))]
+    for name in layer_stacks(model):
+        stack = model.get_submodule(name) if name else model
+        units += [f"{name}.{i}" if name else str(i) for i in range(len(stack))]
     return units
 
 
@@ -108,6 +96,8 @@ def fully_shard_model(model: nn.Module, mesh: Any, units: list[str] | None = Non
                 fix="give module paths (wildcards allowed), e.g. fsdp_units=['transformer.h.*']",
             )
         chosen += [n for n in found if n not in chosen]
+    if isinstance(mesh, Mesh):
+        mesh = mesh.fsdp_mesh
     kwargs: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -137,6 +127,7 @@ def wrap_data_parallel(model: nn.Module, target: str | None, mesh: Any,
     if target == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        group = dp_mesh.get_group() if dp_mesh is not None else None
+        group = (dp_mesh.group("dp") if isinstance(dp_mesh, Mesh) else
+                 dp_mesh.get_group() if dp_mesh is not None else None)
         return DistributedDataParallel(model, process_group=group)
     return fully_shard_model(model, dp_mesh, fsdp_units)

@@ -29,25 +29,37 @@ if TYPE_CHECKING:
 __all__ = ["cut_paths", "split_stages", "Stages", "TiedWeight", "tied_weights",
            "PipelineModel", "build_pipeline", "check_schedule", "local_stage_tensors"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""The schedules of ``torch.distributed.pipelining``, named as their classes without
+``Schedule``."""
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""Schedules that run several stages per rank (default 2)."""
 
 
 def _schedule_class(name: str) -> Any:
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import schedules
 
-    classes = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
-               "Interleaved1F1B": ScheduleInterleaved1F1B}
-    if name not in classes:
+    if name not in SCHEDULES:
         raise BuildError(
             f"unknown pipeline schedule {name!r}", primitive="build",
-            values={"schedule": name, "schedules": list(classes)},
+            values={"schedule": name, "schedules": list(SCHEDULES)},
             fix="build(sch, target='pipeline', schedule='1F1B', ...)",
         )
-    return classes[name]
+    return getattr(schedules, f"Schedule{name}")
+
+
+def stage_rank(stage: int, ranks: int, schedule: str) -> int:
+    """The pipeline rank that runs ``stage``: ``stage mod ranks`` (looped), or in a V for
+    ZBVZeroBubble (rank r runs stages r and 2 ranks - 1 - r).
+
+    >>> [stage_rank(k, 2, "Interleaved1F1B") for k in range(4)]
+    [0, 1, 0, 1]
+    >>> [stage_rank(k, 2, "ZBVZeroBubble") for k in range(4)]
+    [0, 1, 1, 0]
+    """
+    if schedule == "ZBVZeroBubble":
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
 
 
 def _single_stage_order(one_f_one_b: bool, num_ranks: int,
@@ -74,7 +86,8 @@ def _single_stage_order(one_f_one_b: bool, num_ranks: int,
     return order
 
 
-def check_schedule(schedule: Any, num_ranks: int, num_stages: int, n_microbatches: int) -> int:
+def check_schedule(schedule: Any, num_ranks: int, num_stages: int, n_microbatches: int,
+                   name: str = "1F1B") -> int:
     """Dry-run the schedule's action order with PyTorch's own validator and simulator
     (every rank's forwards and backwards, and the sends and receives between them) and
     return the number of simulated steps; raises :class:`BuildError` on a schedule that
@@ -103,7 +116,7 @@ def check_schedule(schedule: Any, num_ranks: int, num_stages: int, n_microbatche
     stages_per_rank = num_stages // num_ranks
 
     def stage_to_rank(stage: int) -> int:
-        return stage % num_ranks
+        return stage_rank(stage, num_ranks, name)
 
     # Only the compute actions (gradient reductions are data-parallel bookkeeping); the
     # validator steps all ranks in lockstep, so idle steps (None) keep their place.
@@ -274,7 +287,7 @@ class PipelineModel(nn.Module):
         set_mark(self, TIED_KEYS, [list(dict.fromkeys(name for _, name in places))
                                    for places in (split.ties if split is not None else [])])
         if source is not None:
-            from .pretrained import describe_model
+            from .pretrained_info import describe_model
 
             set_mark(self, PRETRAINED_INFO, describe_model(source))
 
@@ -296,7 +309,7 @@ class PipelineModel(nn.Module):
     def full_state_dict(self, group: Any = None) -> dict[str, torch.Tensor]:
         """The whole original state dict on every rank (see the class docstring); ``group``
         is the tensor-parallel group the stages were scheduled with."""
-        from .pretrained import gather_full_state_dict
+        from .gather_plan import gather_full_state_dict
 
         return gather_full_state_dict(self, group)
 
@@ -333,9 +346,11 @@ class PipelineModel(nn.Module):
         for param, group in self.ties:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            # an FSDP2 shard: the holders keep the same shard of the tied weight
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             with guard_collective("all_reduce", "build", group,
                                   fix="call pipe.step(...) on every rank of the pipeline"):
-                dist.all_reduce(param.grad, group=group)
+                dist.all_reduce(grad, group=group)
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return None
@@ -362,17 +377,21 @@ def _check_pipeline_args(example_inputs: Any, loss_fn: Any) -> None:
 
 
 def stages_per_rank(schedule: str) -> int:
-    """How many stages each pipeline rank runs under ``schedule`` (the interleaved
-    schedule runs two, every other one)."""
-    return 2 if schedule == "Interleaved1F1B" else 1
+    """How many stages each pipeline rank runs under ``schedule`` by default (the
+    interleaved and zero-bubble schedules run two)."""
+    return 2 if schedule in MULTI_STAGE else 1
 
 
 def _my_stages(num_stages: int, schedule: str, group: Any) -> list[int]:
-    """The stages this rank runs (stage k on pipeline rank k mod ranks), after checking
-    that the schedule has the number of stages the ranks need."""
+    """The stages this rank runs (:func:`stage_rank`), after checking that the schedule
+    can run ``num_stages`` stages on the ranks: one per rank for GPipe and 1F1B, two or
+    more for the interleaved ones, exactly two for ZBVZeroBubble."""
     ranks = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    per_rank = stages_per_rank(schedule)
+    per_rank = num_stages // ranks if schedule in MULTI_STAGE and num_stages % ranks == 0 \
+        and num_stages >= 2 * ranks else stages_per_rank(schedule)
+    if schedule == "ZBVZeroBubble":
+        per_rank = 2
     if num_stages != ranks * per_rank:
         raise BuildError(
             f"{num_stages} stages for {ranks} pipeline ranks: {schedule} needs "
@@ -381,7 +400,7 @@ def _my_stages(num_stages: int, schedule: str, group: Any) -> list[int]:
             fix=f"cut the model into {ranks * per_rank} stages "
             f"({ranks * per_rank - 1} cut_pipeline_stage() calls)",
         )
-    return [k for k in range(num_stages) if k % ranks == rank]
+    return [k for k in range(num_stages) if stage_rank(k, ranks, schedule) == rank]
 
 
 def local_stage_tensors(sch: Schedule, *, schedule: str = "1F1B",
@@ -407,9 +426,13 @@ def local_stage_tensors(sch: Schedule, *, schedule: str = "1F1B",
 def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int = 4,
                    loss_fn: Callable[..., torch.Tensor] | None = None,
                    example_inputs: tuple | dict | None = None, group: Any = None,
-                   device: str | torch.device = "cpu") -> PipelineModel:
+                   device: str | torch.device = "cpu",
+                   stage_wrapper: Callable[[nn.Module], nn.Module] | None = None
+                   ) -> PipelineModel:
     """Split, keep this rank's stages, and wrap them in the named schedule (see
-    :func:`torchloom.build` with ``target="pipeline"``)."""
+    :func:`torchloom.build` with ``target="pipeline"``). ``stage_wrapper``: applied to
+    each of this rank's stage modules before the runtime sees them (FSDP2's
+    ``fully_shard``; it must shard in place and return the module)."""
     from torch.distributed.pipelining import PipelineStage
 
     _check_pipeline_args(example_inputs, loss_fn)
@@ -418,9 +441,11 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     rank = dist.get_rank(group)
     split = split_stages(sch, example_inputs)
     num_stages = len(split.modules)
-    per_rank = stages_per_rank(schedule)
     mine = _my_stages(num_stages, schedule, group)
     dev = torch.device(device)
+    if stage_wrapper is not None:
+        for k in mine:
+            split.modules[k] = stage_wrapper(split.modules[k])
     # the shapes and dtypes of what crosses, from the split (the runtime would otherwise
     # infer them by running each stage on uninitialised inputs: integer ids or targets
     # crossing a cut would be garbage there)
@@ -428,15 +453,15 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group,
                             input_args=metas[k][0] or None, output_args=metas[k][1] or None)
               for k in mine]
-    runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches,
-                 loss_fn=loss_fn)
-    simulated = check_schedule(runner, ranks, num_stages, n_microbatches)
+    runner = cls(stages if schedule in MULTI_STAGE else stages[0],
+                 n_microbatches=n_microbatches, loss_fn=loss_fn)
+    simulated = check_schedule(runner, ranks, num_stages, n_microbatches, schedule)
 
     # Parameters held by stages on several ranks: one gradient sum per shared parameter.
     global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(ranks)]
     ties: list[tuple[nn.Parameter, Any]] = []
     for places in split.ties:
-        holders = sorted({global_ranks[k % ranks] for k, _ in places})
+        holders = sorted({global_ranks[stage_rank(k, ranks, schedule)] for k, _ in places})
         if len(holders) < 2:
             continue
         # Only the holders synchronise: with data parallelism every replica runs its own

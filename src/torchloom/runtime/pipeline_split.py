@@ -119,7 +119,7 @@ def _inline(graph: fx.Graph, gm: fx.GraphModule, prefix: str, inputs: dict[str, 
     raise AssertionError("graph without output")
 
 
-def flatten(root: nn.Module, cuts: list[str]) -> fx.GraphModule:
+def flatten(root: fx.GraphModule, cuts: list[str]) -> fx.GraphModule:
     """One graph of ``root`` with the traced modules on the way to ``cuts`` inlined."""
     way = {".".join(c.split(".")[:i]) for c in cuts for i in range(1, len(c.split(".")))}
     graph = fx.Graph()
@@ -246,7 +246,8 @@ def _repack(graph: fx.Graph, tree: Any, before: fx.Node, values: dict[fx.Node, A
         elif type(value) is tuple:
             made = graph.call_function(_pack, args)
         else:  # a named tuple
-            made = graph.call_function(_pack_as, (type(value), *args))
+            named: Any = type(value)  # a class, as fx takes it
+            made = graph.call_function(_pack_as, (named, *args))
     values[made] = value
     return made
 

@@ -1,0 +1,385 @@
+"""A :class:`Layout`: how one training step is spread over devices (``torchloom.Layout``).
+
+The one description of a run's parallelism, read by :func:`torchloom.parallelize`, by
+``torchloom train``, by the planner and by the tuner. Its dimensions, outermost first, are
+the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` makes:
+
+* ``pp`` pipeline stages, run by ``pipeline_schedule`` (every schedule
+  ``torch.distributed.pipelining`` offers: ``GPipe``, ``1F1B``, ``Interleaved1F1B``,
+  ``InterleavedZeroBubble``, ``ZBVZeroBubble``) with ``stages_per_rank`` stages on each
+  pipeline rank (default 1 for GPipe and 1F1B, 2 for the others) and the layers after
+  which a stage ends (``stage_cuts``; default an even split, :func:`~torchloom.core.rules.even_cuts`);
+* ``dp_replicate`` data-parallel replicas and ``dp_shard`` FSDP2 shards: ``dp_shard``
+  alone is FSDP (ZeRO-3), ``dp_replicate`` alone is DDP, both above 1 is HSDP (shards
+  inside a replica group, replicas across);
+* ``cp`` context-parallel and ``ep`` expert-parallel ranks: present so that a layout can
+  name them, refused above 1 until torchloom builds them;
+* ``tp`` tensor-parallel ranks (the schedule's Megatron layout), with ``sp`` sequence
+  parallelism between their regions. Tensor-parallel ranks are the innermost (adjacent)
+  ranks: the most communication stays on the fastest links.
+
+The step: each data-parallel rank runs ``grad_accum`` x ``n_microbatches`` micro-batches
+of ``micro_batch`` sequences of ``seq_len`` tokens (``n_microbatches``: the pipeline's
+micro-batches in one schedule step; without a pipeline it multiplies the accumulation
+micro-steps), so ``batch_size = dp x grad_accum x n_microbatches x micro_batch``.
+Activation checkpointing: the first ``ckpt_ratio`` of each stack of layers
+(:func:`~torchloom.core.rules.checkpointed_count`), or ``ac="full"`` (every layer) or
+``ac="op"`` (every layer, op-level selective: matrix products and attention are saved,
+the cheap element-wise ops recomputed). Precision: the weights, gradients and optimizer
+state are ``param_dtype``; ``mixed_precision`` is the compute dtype (autocast, or FSDP2's
+``MixedPrecisionPolicy``), ``reduce_dtype`` the dtype gradients are reduced in (default
+``param_dtype``).
+
+A Layout checks itself when it is made (:class:`~torchloom.core.errors.LayoutError`,
+naming the field, the value and a fix); what depends on the model or the world is checked
+by :meth:`Layout.check_world` and by the planner's ``check_model``.
+
+>>> lay = Layout(dp_shard=2, tp=2, pp=2, n_microbatches=4, micro_batch=2, seq_len=128)
+>>> lay.world, lay.dp, lay.dp_mode, lay.batch_size, lay.stage_layers(8)
+(8, 2, 'fsdp', 16, [4, 4])
+>>> lay.describe()
+'tp2 pp2(1F1B x4) dp2(fsdp) mb2 ckpt0 fp32'
+>>> Layout(dp_replicate=2, dp_shard=2).describe()
+'tp1 dp4(hsdp 2x2) mb1 ckpt0 fp32'
+>>> Layout(pp=2, pipeline_schedule="Interleaved1F1B", n_microbatches=4).stages
+4
+>>> Layout(pp=2, n_microbatches=1)
+Traceback (most recent call last):
+...
+torchloom.core.errors.LayoutError: Layout(...): a pipeline of 2 stages needs at least 2 micro-batches per step
+    values: pp=2, n_microbatches=1
+    fix: Layout(pp=2, n_microbatches=2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import LayoutError
+from ..core.rules import checkpointed_count, even_cuts
+
+__all__ = ["AC_MODES", "DP_MODES", "DTYPES", "Layout", "NOTATION", "OPTIMIZERS",
+           "PIPELINE_SCHEDULES", "data_parallel"]
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                      "ZBVZeroBubble")
+"""The pipeline schedules, named as ``torch.distributed.pipelining``'s classes without
+``Schedule``."""
+MULTI_STAGE = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules that run several stages per pipeline rank (default 2)."""
+V_SHAPED = frozenset({"ZBVZeroBubble"})
+"""Schedules that place stages in a V (rank r holds stages r and 2 pp - 1 - r), with
+exactly two stages per rank."""
+DP_MODES = ("ddp", "fsdp", "hsdp")
+AC_MODES = ("full", "op")
+DTYPES = ("fp32", "bf16", "fp16")
+#: optimizer name -> states kept per parameter (each of the parameter's dtype and size)
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+_PRIMITIVE = "Layout"
+#: what each token of :meth:`Layout.describe` means (``torchloom plan`` prints it)
+NOTATION = (
+    ("tpN[+sp]", "N tensor-parallel ranks; +sp: sequence parallelism between their regions"),
+    ("ppN(S xM[ vV])", "N pipeline ranks run by schedule S over M micro-batches per step; "
+                       "vV: V stages per rank"),
+    ("accumN", "N gradient-accumulation micro-steps per optimizer step"),
+    ("dpN(ddp|fsdp|hsdp RxS)", "N data-parallel ranks: DDP replicas, FSDP2 shards, or "
+                               "HSDP (R replicas of S shards)"),
+    ("mbN", "N sequences per micro-batch (per rank; batch = dp x micro-steps x mb)"),
+    ("ckptR|acfull|acop", "share R of the layers (the first ones) checkpointed; acfull: "
+                          "every layer; acop: every layer, op-level selective"),
+    ("P[/C]", "P: the dtype of the weights, gradients and optimizer state; /C: the compute "
+              "dtype (autocast or FSDP2's policy); without it the layers compute in P"),
+)
+
+
+def _fail(problem: str, values: dict[str, Any], fix: str) -> LayoutError:
+    return LayoutError(problem, primitive=_PRIMITIVE, values=values, fix=fix)
+
+
+def data_parallel(dp: int, mode: str) -> dict[str, int]:
+    """The ``dp_replicate`` / ``dp_shard`` fields of ``dp`` data-parallel ranks in
+    ``mode`` ``"ddp"`` or ``"fsdp"`` (the command line's ``--dp N --dp-mode M``).
+
+    >>> data_parallel(4, "fsdp"), data_parallel(2, "ddp")
+    ({'dp_replicate': 1, 'dp_shard': 4}, {'dp_replicate': 2, 'dp_shard': 1})
+    """
+    if mode not in ("ddp", "fsdp"):
+        raise _fail(f"unknown data-parallel mode {mode!r}", {"dp_mode": mode},
+                    "--dp-mode ddp or --dp-mode fsdp (HSDP: --dp-replicate R --dp-shard S)")
+    return {"dp_replicate": dp, "dp_shard": 1} if mode == "ddp" else \
+        {"dp_replicate": 1, "dp_shard": dp}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One layout (see the module docstring). Frozen; checked when made."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    pipeline_schedule: str = "1F1B"
+    stages_per_rank: int | None = None
+    """Stages per pipeline rank; None: 2 for the multi-stage schedules, else 1."""
+    stage_cuts: tuple[int, ...] | None = None
+    """Layers (0-based, of the stack) after which a stage ends; None: an even split."""
+    n_microbatches: int = 1
+    grad_accum: int = 1
+    micro_batch: int = 1
+    seq_len: int = 128
+    ckpt_ratio: float = 0.0
+    ac: str | None = None
+    """None (``ckpt_ratio`` decides), ``"full"`` or ``"op"``."""
+    compile: bool = False
+    """``torch.compile`` each layer of the stacks."""
+    param_dtype: str = "fp32"
+    mixed_precision: str | None = None
+    reduce_dtype: str | None = None
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.stage_cuts is not None and not isinstance(self.stage_cuts, tuple):
+            object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+        self.check()
+
+    # ---- derived
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_mode(self) -> str:
+        """``"hsdp"``, ``"fsdp"`` or ``"ddp"`` (also for one data-parallel rank)."""
+        if self.dp_shard > 1:
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp"
+
+    @property
+    def world(self) -> int:
+        """Ranks: ``pp * dp_replicate * dp_shard * cp * tp`` (``ep`` reuses them)."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: ``pp * stages_per_rank``."""
+        return self.pp * self.per_rank
+
+    @property
+    def per_rank(self) -> int:
+        """Stages per pipeline rank (``stages_per_rank`` or the schedule's default)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.pp > 1 and self.pipeline_schedule in MULTI_STAGE else 1
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.n_microbatches * self.grad_accum
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.dp * self.micro_steps * self.micro_batch
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the layers compute in."""
+        return self.mixed_precision or self.param_dtype
+
+    @property
+    def checkpoint_ratio(self) -> float:
+        """The share of each stack's layers checkpointed (1 under ``ac``)."""
+        return 1.0 if self.ac is not None else float(self.ckpt_ratio)
+
+    def replace(self, **changes: Any) -> Layout:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def cuts(self, num_layers: int) -> list[int]:
+        """The layers after which a stage ends (``stage_cuts``, or an even split)."""
+        if self.stage_cuts is not None:
+            return list(self.stage_cuts)
+        return even_cuts(num_layers, self.stages)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage."""
+        bounds = [-1, *self.cuts(num_layers), num_layers - 1]
+        return [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+
+    def checkpointed(self, num_layers: int) -> int:
+        """How many layers (the first ones) of a stack of ``num_layers`` are
+        checkpointed (:func:`~torchloom.core.rules.checkpointed_count`)."""
+        return checkpointed_count(self.checkpoint_ratio, num_layers)
+
+    def stage_ranks(self) -> list[int]:
+        """The pipeline rank of each stage: stage ``k`` on rank ``k mod pp`` (looped), or
+        in a V for ZBVZeroBubble.
+
+        >>> Layout(pp=2, pipeline_schedule="ZBVZeroBubble", n_microbatches=4).stage_ranks()
+        [0, 1, 1, 0]
+        """
+        if self.pipeline_schedule in V_SHAPED:
+            return [k if k < self.pp else 2 * self.pp - 1 - k for k in range(self.stages)]
+        return [k % self.pp for k in range(self.stages)]
+
+    def describe(self) -> str:
+        """A one-line name of the layout (its tokens: :data:`NOTATION`)."""
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
+        if self.pp > 1:
+            virtual = f" v{self.per_rank}" if self.per_rank > 1 else ""
+            parts.append(f"pp{self.pp}({self.pipeline_schedule} x{self.micro_steps}{virtual})")
+        elif self.micro_steps > 1:
+            parts.append(f"accum{self.micro_steps}")
+        mode = (f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp"
+                else self.dp_mode)
+        parts.append(f"dp{self.dp}({mode})")
+        parts.append(f"mb{self.micro_batch}")
+        parts.append(f"ac{self.ac}" if self.ac else f"ckpt{self.ckpt_ratio:g}")
+        parts.append(self.param_dtype + (f"/{self.mixed_precision}" if self.mixed_precision
+                                         else ""))
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (JSON-ready)."""
+        out = dataclasses.asdict(self)
+        out["stage_cuts"] = list(self.stage_cuts) if self.stage_cuts is not None else None
+        return out
+
+    # ---- checks
+
+    def check(self) -> None:
+        """Refuse values that contradict each other (see the module docstring)."""
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "n_microbatches",
+                     "grad_accum", "micro_batch", "seq_len"):
+            value = getattr(self, name)
+            if not _positive(value):
+                raise _fail(f"{name} must be a positive integer", {name: value},
+                            f"Layout({name}=1)")
+        for name, issue in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+            if getattr(self, name) > 1:
+                raise _fail(f"{name}={getattr(self, name)}: {issue} is not built yet (the "
+                            "context/expert-parallel issue adds it)",
+                            {name: getattr(self, name)}, f"Layout({name}=1)")
+        if not isinstance(self.ckpt_ratio, (int, float)) or isinstance(self.ckpt_ratio, bool) \
+                or not 0 <= self.ckpt_ratio <= 1:
+            raise _fail("ckpt_ratio must be a number between 0 and 1 (the share of layers "
+                        "that recompute their activations)", {"ckpt_ratio": self.ckpt_ratio},
+                        "Layout(ckpt_ratio=0.5)")
+        if self.ac is not None and self.ac not in AC_MODES:
+            raise _fail(f"unknown activation checkpointing {self.ac!r}",
+                        {"ac": self.ac, "modes": list(AC_MODES)},
+                        "Layout(ac='full') or Layout(ac='op'), or ckpt_ratio=R")
+        if self.ac is not None and self.ckpt_ratio not in (0, 1):
+            raise _fail(f"ac={self.ac!r} checkpoints every layer; ckpt_ratio="
+                        f"{self.ckpt_ratio} asks for a share of them",
+                        {"ac": self.ac, "ckpt_ratio": self.ckpt_ratio},
+                        f"Layout(ac={self.ac!r}) or Layout(ckpt_ratio={self.ckpt_ratio})")
+        if self.sp and self.tp == 1:
+            raise _fail("sequence parallelism splits activations between tensor-parallel "
+                        "ranks; it needs tp > 1", {"sp": True, "tp": 1},
+                        "Layout(tp=2, sp=True)")
+        if self.sp and self.seq_len % self.tp:
+            raise _fail(f"sequence parallelism splits the {self.seq_len} positions between "
+                        f"{self.tp} ranks, and they do not divide",
+                        {"seq_len": self.seq_len, "tp": self.tp},
+                        f"a seq_len divisible by {self.tp}, e.g. "
+                        f"{-(-self.seq_len // self.tp) * self.tp}")
+        self._check_pipeline()
+        for name in ("param_dtype",):
+            if getattr(self, name) not in DTYPES:
+                raise _fail(f"unknown {name} {getattr(self, name)!r}",
+                            {name: getattr(self, name), "dtypes": list(DTYPES)},
+                            f"Layout({name}='fp32')")
+        for name in ("mixed_precision", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPES:
+                raise _fail(f"{name} is a dtype of {', '.join(DTYPES)} (or None), not "
+                            f"{value!r}", {name: value},
+                            f"Layout(param_dtype='fp32', {name}='bf16')")
+        if self.optimizer not in OPTIMIZERS:
+            raise _fail(f"unknown optimizer {self.optimizer!r}",
+                        {"optimizer": self.optimizer, "optimizers": list(OPTIMIZERS)},
+                        "Layout(optimizer='adamw')")
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise _fail(f"unknown pipeline schedule {self.pipeline_schedule!r}",
+                        {"pipeline_schedule": self.pipeline_schedule,
+                         "schedules": list(PIPELINE_SCHEDULES)},
+                        "Layout(pipeline_schedule='1F1B')")
+        if self.stages_per_rank is not None and not _positive(self.stages_per_rank):
+            raise _fail("stages_per_rank must be a positive integer",
+                        {"stages_per_rank": self.stages_per_rank},
+                        "Layout(stages_per_rank=2), or None for the schedule's default")
+        multi = self.pipeline_schedule in MULTI_STAGE
+        if self.pp > 1 and not multi and self.per_rank != 1:
+            raise _fail(f"{self.pipeline_schedule} runs one stage per rank, not "
+                        f"{self.per_rank}", {"pipeline_schedule": self.pipeline_schedule,
+                                             "stages_per_rank": self.per_rank},
+                        "Layout(pipeline_schedule='Interleaved1F1B', stages_per_rank=2)")
+        if self.pp > 1 and self.pipeline_schedule in V_SHAPED and self.per_rank != 2:
+            raise _fail(f"{self.pipeline_schedule} places two stages on each rank, in a V; "
+                        f"not {self.per_rank}", {"stages_per_rank": self.per_rank},
+                        "Layout(pipeline_schedule='ZBVZeroBubble', stages_per_rank=2)")
+        if self.pp > 1 and self.micro_steps < self.pp:
+            raise _fail(f"a pipeline of {self.pp} stages needs at least {self.pp} "
+                        "micro-batches per step",
+                        {"pp": self.pp, "n_microbatches": self.n_microbatches},
+                        f"Layout(pp={self.pp}, n_microbatches={self.pp})")
+        if self.pp == 1 and self.stages_per_rank not in (None, 1):
+            raise _fail("stages_per_rank is for a pipeline (pp > 1)",
+                        {"pp": 1, "stages_per_rank": self.stages_per_rank},
+                        "Layout(pp=2, pipeline_schedule='Interleaved1F1B', stages_per_rank=2)")
+        if self.stage_cuts is not None:
+            cuts = list(self.stage_cuts)
+            if len(cuts) != self.stages - 1 or cuts != sorted(set(cuts)) or \
+                    any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in cuts):
+                raise _fail(f"stage_cuts lists the {self.stages - 1} layer(s) after which a "
+                            "stage ends, increasing", {"stage_cuts": cuts,
+                                                       "stages": self.stages},
+                            "stage_cuts=None (an even split), or e.g. stage_cuts=(3,) for "
+                            "two stages of 8 layers")
+
+    def check_world(self, world: int) -> None:
+        """Refuse a layout whose degrees do not multiply to ``world`` ranks."""
+        if self.world != world:
+            other = self.world // self.dp
+            hint = (f"dp_shard={world // other}" if world % other == 0
+                    else f"degrees whose product is {world}")
+            raise _fail(f"the layout's degrees pp x dp_replicate x dp_shard x cp x tp = "
+                        f"{self.pp} x {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
+                        f"{self.tp} = {self.world} do not multiply to the {world} ranks",
+                        {"world_size": world, "layout": self.describe()}, hint)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse stage cuts that leave a stage without a layer, or an even split that does
+        not divide the ``num_layers`` layers (pass ``stage_cuts`` for an uneven one)."""
+        if self.stages == 1:
+            return
+        if self.stage_cuts is None and num_layers % self.stages:
+            options = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+            raise _fail(f"{num_layers} layers do not split evenly into {self.stages} stages",
+                        {"layers": num_layers, "stages": self.stages},
+                        f"pp x stages_per_rank in {options}, or stage_cuts=... for an uneven "
+                        "split")
+        cuts = self.cuts(num_layers)
+        if num_layers < self.stages or (cuts and cuts[-1] >= num_layers - 1):
+            raise _fail(f"a stage would have no layer: {self.stages} stages, cuts {cuts}, "
+                        f"{num_layers} layers", {"stage_cuts": cuts, "layers": num_layers},
+                        f"at most {num_layers} stages, cuts before layer {num_layers - 1}")

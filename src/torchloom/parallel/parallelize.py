@@ -1,0 +1,336 @@
+"""``torchloom.parallelize(sch, layout)``: the one path from a layout to a built model.
+
+``torchloom train``, the planner's measurements and validation, ``torchloom bench``,
+``torchloom verify`` and the tuner all build through it, so the rules of a layout (which
+layers a ratio checkpoints, where the default stage cuts fall, which group each piece
+uses) are applied in one place. In order:
+
+1. **Tensor and sequence parallelism**: the model's schedule (built-in, derived from
+   transformers' tensor-parallel plan, or the automatic one; :func:`torchloom.schedules.apply_schedule`)
+   at degree ``layout.tp``, over the schedule's group, which must be the mesh's ``tp``
+   group (:func:`create_schedule` makes it so). Skipped with ``apply_schedule=False``
+   (the caller applied its own primitives).
+2. Context and expert parallelism: refused by the :class:`~torchloom.parallel.layout.Layout`
+   until they are built.
+3. **Pipeline cuts** (``pp > 1``): the model is traced down to the layers of its first
+   stack of layers (:func:`~torchloom.core.rules.layer_stacks`) and a stage ends after
+   each layer of ``layout.cuts`` (an even split of ``pp x stages_per_rank`` stages by
+   default). The cuts are marked before the layers are wrapped for checkpointing, since
+   a trace does not enter a checkpointed layer; the model is split at build.
+4. **Activation checkpointing**: the first ``ckpt_ratio`` of every stack's layers, or
+   all of them under ``ac="full"`` (recompute everything) or ``ac="op"`` (op-level
+   selective), with the ``checkpoint`` primitive.
+5. **Compile** (``layout.compile``): each layer of the stacks, with ``compile``.
+6. **Build**: materialise (``weights``: each rank reads its own slices), then the data
+   parallelism, per pipeline stage: FSDP2 ``fully_shard`` of each layer and of the root
+   (of each stage module under a pipeline) over ``dp_shard`` (HSDP: the 2-D
+   ``(dp_replicate, dp_shard)`` mesh), with the layout's ``MixedPrecisionPolicy``; DDP
+   over the ``dp`` group without FSDP (under a pipeline, :meth:`Parallelized.reduce_gradients`
+   averages the gradients after each step).
+
+Everything it did is recorded in the :class:`Parallelized` it returns (the modules it
+checkpointed, the layers after which stages end, the FSDP2 units, the mesh dimension
+each piece used), so two callers can be checked to have built the same thing.
+
+>>> import torch
+>>> from torchloom.parallel.layout import Layout
+>>> from torchloom.schedules import zoo
+>>> model = zoo.make_model("llama")
+>>> done = parallelize(create_schedule(model, None), Layout(ckpt_ratio=0.5))
+>>> done.stacks, done.checkpointed
+(['model.layers'], ['model.layers.0'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import LayoutError
+from ..core.marks import CHECKPOINTED, has_mark
+from ..core.rules import layer_stacks
+from ..core.schedule import Schedule, join_path
+from ..core.schedule import create_schedule as _create_schedule
+from ..runtime.build import build
+from ..runtime.collectives import guard_collective
+from ..runtime.mesh import Mesh
+from ..runtime.parallel import fully_shard_model
+from .layout import Layout
+from .mesh import PIECES
+
+__all__ = ["Parallelized", "create_schedule", "parallelize"]
+
+_PRIMITIVE = "parallelize"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def create_schedule(model: nn.Module, mesh: Mesh | None) -> Schedule:
+    """The schedule of ``model`` over the mesh's tensor-parallel group (one rank: no
+    group)."""
+    return _create_schedule(model, group=mesh.group("tp") if mesh is not None else None)
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` built, and how."""
+
+    model: Any
+    """What a step calls: the module (FSDP2-sharded in place), its
+    ``DistributedDataParallel`` wrapper, or a :class:`~torchloom.runtime.pipeline.PipelineModel`."""
+    module: nn.Module
+    """What ``save`` / ``load`` / ``save_pretrained`` take: the module (unwrapped), or the
+    pipeline model."""
+    schedule: Schedule
+    layout: Layout
+    mesh: Mesh | None
+    stacks: list[str] = field(default_factory=list)
+    """The stacks of layers (full paths)."""
+    checkpointed: list[str] = field(default_factory=list)
+    """The modules wrapped for activation checkpointing."""
+    cut_after: list[str] = field(default_factory=list)
+    """The layers after which a pipeline stage ends."""
+    fsdp_units: list[str] = field(default_factory=list)
+    """The modules FSDP2 shards as units (the roots besides)."""
+    groups: dict[str, str] = field(default_factory=dict)
+    """Piece -> the mesh dimension its collectives use (pieces in use only)."""
+    ties: dict[int, int] = field(default_factory=dict)
+    """id(parameter) -> the number of pipeline stages holding a copy of it."""
+
+    @property
+    def fsdp(self) -> bool:
+        return self.layout.dp_shard > 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def autocast(self, device_type: str) -> Any:
+        """The compute dtype's autocast (the layout's ``mixed_precision``) where FSDP2's
+        policy does not already cast: without FSDP2."""
+        dtype = self.layout.mixed_precision
+        enabled = dtype is not None and dtype != self.layout.param_dtype and not self.fsdp
+        return torch.autocast(device_type, dtype=_DTYPES[dtype or "bf16"], enabled=enabled)
+
+    def no_sync(self, skip: bool) -> Any:
+        """Skip the data-parallel gradient reduction of a micro-step that is not the last
+        (no pipeline: a pipeline accumulates inside its schedule)."""
+        if not skip or self.layout.dp == 1 or self.layout.pp > 1:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            return _fsdp_no_sync(self.model)
+        return self.model.no_sync()
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the data-parallel replicas of a pipeline without
+        FSDP2 (FSDP2, and DDP without a pipeline, reduce in backward)."""
+        if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1 or self.mesh is None:
+            return
+        group = self.mesh.group("dp")
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            with guard_collective("all_reduce", _PRIMITIVE, group):
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.layout.dp)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _fail(problem: str, values: dict[str, Any], fix: str) -> LayoutError:
+    return LayoutError(problem, primitive=_PRIMITIVE, values=values, fix=fix)
+
+
+def _check(sch: Schedule, layout: Layout, mesh: Mesh | None) -> None:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    layout.check_world(world)
+    if world > 1 and mesh is None:
+        raise _fail(f"{world} ranks and no mesh", {"world_size": world},
+                    "parallelize(sch, layout, mesh=torchloom.parallel.init_mesh(layout))")
+    if sch.world_size != layout.tp:
+        raise _fail(f"the schedule's group has {sch.world_size} ranks and the layout's "
+                    f"tensor parallelism {layout.tp}",
+                    {"schedule_ranks": sch.world_size, "tp": layout.tp},
+                    "make the schedule over the mesh's tp group: "
+                    "torchloom.parallel.create_schedule(model, mesh)")
+
+
+def _apply_schedule(root: Schedule, layout: Layout, knobs: dict[str, Any]) -> None:
+    from .. import schedules
+
+    try:
+        fn = schedules.schedule_for(root.mod)
+    except Exception:  # noqa: BLE001 - no schedule: only the layout's own steps apply
+        fn = None
+    if fn is None:
+        if layout.tp > 1:
+            raise _fail(f"{type(root.mod).__name__} has no schedule to spread over "
+                        f"{layout.tp} tensor-parallel ranks", {"tp": layout.tp},
+                        "Layout(tp=1), or write a schedule (torchloom.schedules.register_schedule)")
+        return
+    config = {"tp": layout.tp, "sequence_parallel": layout.sp, **knobs}
+    schedules.apply_schedule(root, schedules.ScheduleConfig(**config))
+
+
+def _stacks(sch: Schedule, schedule_at: str, stacks: list[str] | None) -> list[str]:
+    if stacks is not None:
+        return list(stacks)
+    root = sch[schedule_at] if schedule_at else sch
+    return [join_path(schedule_at, path) for path in layer_stacks(root.mod)]
+
+
+def _cut(sch: Schedule, layout: Layout, stacks: list[str], example_inputs: Any) -> list[str]:
+    if not stacks:
+        raise _fail(f"{type(sch.mod).__name__} has no stack of layers to cut into "
+                    f"{layout.stages} pipeline stages", {"pp": layout.pp},
+                    "Layout(pp=1), or cut it yourself with cut_pipeline_stage and build "
+                    "with target='pipeline'")
+    stack = stacks[0]
+    count = len(sch[stack].child)
+    layout.check_layers(count)
+    sch.trace_until(f"{stack}.*", example_inputs=example_inputs)
+    cut_after = [f"{stack}.{cut}" for cut in layout.cuts(count)]
+    for path in cut_after:
+        sch[path].cut_pipeline_stage()
+    return cut_after
+
+
+def _checkpoint(sch: Schedule, layout: Layout, stacks: list[str]) -> list[str]:
+    ratio = layout.checkpoint_ratio
+    if not ratio:
+        return []
+    policy = "op" if layout.ac == "op" else None
+    for stack in stacks:
+        sch[stack].checkpoint(ratio=ratio, policy=policy)
+    return [path for stack in stacks for path, _ in _items(sch, stack)
+            if has_mark(sch[path].mod, CHECKPOINTED)]
+
+
+def _items(sch: Schedule, stack: str) -> list[tuple[str, Schedule]]:
+    return [(node.path, node) for node in sch[stack].child.values()]
+
+
+def _mp_policy(layout: Layout) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = layout.mixed_precision if layout.mixed_precision != layout.param_dtype else None
+    reduce = layout.reduce_dtype or (layout.param_dtype if param else None)
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param] if param else None,
+                                reduce_dtype=_DTYPES[reduce] if reduce else None)
+
+
+def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
+                device: str | torch.device = "cpu", weights: str | None = None,
+                strict: bool = True, example_inputs: dict[str, torch.Tensor] | None = None,
+                loss_fn: Callable[..., torch.Tensor] | None = None, schedule_at: str = "",
+                apply_schedule: bool = True, knobs: dict[str, Any] | None = None,
+                stacks: list[str] | None = None,
+                before_build: Callable[[], None] | None = None) -> Parallelized:
+    """Apply ``layout`` to the model of ``sch`` and build it (see the module docstring).
+
+    Args:
+        sch: the root schedule, made over ``mesh``'s tensor-parallel group
+            (:func:`create_schedule`), not built yet.
+        layout: the layout; its degrees multiply to the world size.
+        mesh: :func:`torchloom.parallel.init_mesh` of ``layout`` (None for one rank).
+        device, weights, strict: as :func:`torchloom.build` (each rank reads its slices
+            of ``weights``; a pipeline rank only its stages').
+        example_inputs: with ``pp > 1``: keyword inputs of one micro-batch (what crosses
+            between stages is sized on it; ``input_ids`` is the pipeline's input).
+        loss_fn: with ``pp > 1``: ``loss_fn(logits, target)`` on the last stage.
+        schedule_at: the path of the module whose schedule applies (a user's module
+            inside a wrapper that adds the loss).
+        apply_schedule: apply the model's schedule (step 1); False when the caller
+            applied its own primitives.
+        knobs: more knobs of the model's schedule (kernels: ``attention``, ``fused``).
+        stacks: the stacks of layers (full paths); default
+            :func:`~torchloom.core.rules.layer_stacks` of the module at ``schedule_at``.
+        before_build: called just before build (the random initialisation's seed).
+
+    Raises:
+        LayoutError: the degrees do not multiply to the world size, the schedule's group
+            is not the layout's tensor parallelism, the layers do not split into the
+            stages, a pipeline without example inputs or loss.
+    """
+    _check(sch, layout, mesh)
+    root = sch[schedule_at] if schedule_at else sch
+    done = Parallelized(model=None, module=sch.mod, schedule=sch, layout=layout, mesh=mesh)
+    # 1. tensor and sequence parallelism: the model's schedule over the tp group
+    if apply_schedule:
+        _apply_schedule(root, layout, dict(knobs or {}))
+    if layout.tp > 1:
+        done.groups["schedule"] = PIECES["schedule"]
+    # 2. context and expert parallelism: refused by Layout.check until built
+    done.stacks = _stacks(sch, schedule_at, stacks)
+    # 3. pipeline cuts, on the traced top, before checkpointing hides the layers
+    if layout.pp > 1:
+        if example_inputs is None or loss_fn is None:
+            raise _fail("a pipeline needs one micro-batch of example inputs and a loss",
+                        {"example_inputs": example_inputs is not None,
+                         "loss_fn": loss_fn is not None},
+                        "parallelize(sch, layout, example_inputs={'input_ids': ids}, "
+                        "loss_fn=next_token_loss)")
+        done.cut_after = _cut(sch, layout, done.stacks, example_inputs)
+        done.groups["pipeline"] = PIECES["pipeline"]
+    # 4. activation checkpointing
+    done.checkpointed = _checkpoint(sch, layout, done.stacks)
+    # 5. compile each layer
+    if layout.compile:
+        for stack in done.stacks:
+            sch[f"{stack}.*"].compile()
+    # 6. build: materialise, split, then FSDP2 / HSDP / DDP per stage
+    if before_build is not None:
+        before_build()
+    units = [path for stack in done.stacks for path, _ in _items(sch, stack)]
+    if layout.dp_shard > 1:
+        done.groups["fsdp"] = PIECES["fsdp"]
+        done.groups["data"] = PIECES["data"]
+    elif layout.dp_replicate > 1:
+        done.groups["data"] = PIECES["data"]
+    policy = _mp_policy(layout) if layout.dp_shard > 1 else None
+    if layout.pp > 1:
+        wrapper = None
+        if layout.dp_shard > 1:
+            def wrapper(stage: nn.Module) -> nn.Module:
+                return _shard_stage(stage, mesh, policy, done)
+        micro = example_inputs["input_ids"] if example_inputs else None
+        pipe, _ = build(sch, target="pipeline", mesh=mesh, schedule=layout.pipeline_schedule,
+                        n_microbatches=layout.micro_steps, loss_fn=loss_fn,
+                        example_inputs=(micro,), device=device, weights=weights,
+                        strict=strict, stage_wrapper=wrapper)
+        done.model = done.module = pipe
+        done.ties = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
+        return done
+    target = "ddp" if layout.dp_replicate > 1 and layout.dp_shard == 1 else None
+    built, _ = build(sch, target=target, mesh=mesh, device=device, weights=weights,
+                     strict=strict)
+    if layout.dp_shard > 1:
+        done.fsdp_units = units
+        built = fully_shard_model(built, mesh, units, mp_policy=policy)
+    done.model = built
+    return done
+
+
+def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
+                 done: Parallelized) -> nn.Module:
+    """FSDP2 of one pipeline stage module: each of its layers, then the stage."""
+    names = {name for name, _ in stage.named_modules() if name}
+    units = []
+    for stack in done.stacks:
+        node = done.schedule[stack]
+        for path in (child.path for child in node.child.values()):
+            if path in names:
+                units.append(path)
+    done.fsdp_units += units
+    return fully_shard_model(stage, mesh, units, mp_policy=policy)

@@ -1,0 +1,136 @@
+"""The device mesh of a run: its named dimensions and the process groups every part uses.
+
+:func:`make_mesh` lays the ranks of the default process group out on a
+``torch.distributed.device_mesh.DeviceMesh`` with the dimensions
+``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, outermost first (tensor-parallel ranks
+adjacent, pipeline stages farthest apart), and flattens two more views of it:
+
+* ``"dp"``: every data-parallel rank (``dp_replicate x dp_shard``): the group DDP averages
+  gradients over and a data-parallel rank's share of the batch is taken from;
+* ``"stage"``: every rank of one pipeline stage (``dp_replicate x dp_shard x cp x tp``):
+  the group a stage's checkpoint is written by.
+
+A :class:`Mesh` holds the three; ``mesh[name]`` is the 1-D mesh of a dimension (or a
+flattened view), :meth:`Mesh.group` its process group and :meth:`Mesh.local_rank` this
+rank's place in it, :attr:`Mesh.fsdp_mesh` what FSDP2 shards over (``dp_shard``, or the
+2-D ``(dp_replicate, dp_shard)`` mesh of HSDP). Every group torchloom uses for a layout
+comes from here: the tensor-parallel group of the schedule, the pipeline group of
+``build``, the data-parallel group of DDP, FSDP2's mesh.
+
+A world of one rank has no mesh (None): nothing is distributed.
+
+>>> import torch.distributed as dist
+>>> from torch.testing._internal.distributed.fake_pg import FakeStore
+>>> dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
+>>> mesh = make_mesh(pp=2, dp_shard=2, tp=2, device_type="cpu")
+>>> [mesh.local_rank(d) for d in ("pp", "dp_shard", "tp", "dp", "stage")]
+[1, 0, 1, 0, 1]
+>>> mesh.size("stage"), mesh.fsdp_mesh.mesh_dim_names
+(4, ('dp_shard',))
+>>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ..core.errors import BuildError
+from .process_group import device_type_of
+
+__all__ = ["DIMS", "Mesh", "make_mesh"]
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimensions, outermost first."""
+FLAT = ("dp", "stage")
+"""The flattened views: every data-parallel rank; every rank of one pipeline stage."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A run's device mesh and its flattened views (see the module docstring)."""
+
+    root: Any
+    """The ``DeviceMesh`` of :data:`DIMS`."""
+    dp: Any
+    """The flattened ``(dp_replicate, dp_shard)`` mesh."""
+    stage: Any
+    """The flattened ``(dp_replicate, dp_shard, cp, tp)`` mesh."""
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The dimensions and flattened views ``mesh[name]`` takes."""
+        return DIMS + FLAT
+
+    @property
+    def device_type(self) -> str:
+        return str(self.root.device_type)
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "dp":
+            return self.dp
+        if name == "stage":
+            return self.stage
+        if name not in DIMS:
+            raise BuildError(f"the mesh has no dimension {name!r}", primitive="Mesh",
+                             values={"name": name, "dims": list(DIMS + FLAT)},
+                             fix=f"one of {', '.join(DIMS + FLAT)}")
+        return self.root[name]
+
+    def size(self, name: str) -> int:
+        return int(self[name].size())
+
+    def group(self, name: str) -> Any:
+        """The process group of dimension (or view) ``name``."""
+        return self[name].get_group()
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index along dimension (or view) ``name``."""
+        return int(self[name].get_local_rank())
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """What FSDP2 shards over: the 2-D ``(dp_replicate, dp_shard)`` mesh of HSDP when
+        both are above 1, else the flattened data-parallel mesh (``dp_shard`` alone, or
+        ``build(target="fsdp")`` over the replicas of :func:`init_mesh`'s ``dp``)."""
+        if self.size("dp_replicate") > 1 and self.size("dp_shard") > 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return self.root["dp_replicate", "dp_shard"]
+        if self.size("dp_shard") > 1:
+            return self.root["dp_shard"]
+        return self.dp
+
+
+def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1,
+              tp: int = 1, device_type: str | None = None) -> Mesh:
+    """The :class:`Mesh` of these degrees over the default process group (which must be
+    initialised, e.g. by ``torchrun``, and hold ``pp x dp_replicate x dp_shard x cp x tp``
+    ranks). ``device_type`` None: the device of the group's backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
+               "tp": tp}
+    if not (dist.is_available() and dist.is_initialized()):
+        raise BuildError(
+            "a device mesh needs an initialised process group", primitive="init_mesh",
+            values=degrees,
+            fix="start with torchrun (or torch.distributed.init_process_group) first")
+    world = dist.get_world_size()
+    product = pp * dp_replicate * dp_shard * cp * tp
+    if product != world:
+        rest = product // (dp_replicate * dp_shard)
+        raise BuildError(
+            f"the mesh pp x dp_replicate x dp_shard x cp x tp = {pp} x {dp_replicate} x "
+            f"{dp_shard} x {cp} x {tp} = {product} does not cover the {world} ranks",
+            primitive="init_mesh", values={**degrees, "world_size": world},
+            fix=f"data-parallel degrees whose product is {world // rest}"
+            if world % rest == 0 else f"choose degrees whose product is {world}")
+    root = init_device_mesh(device_type or device_type_of(), (pp, dp_replicate, dp_shard, cp, tp),
+                            mesh_dim_names=DIMS)
+    dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+    stage = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
+    return Mesh(root, dp, stage)
