@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from torchloom.apps import train as T
 from torchloom.apps.cli import app
+from torchloom.apps.train_checkpoints import compare
 from torchloom.runtime import launch
 from torchloom.runtime import state as S
 
@@ -57,17 +58,18 @@ def test_the_checkpoint_records_the_run_configuration(finished_run):
         "eval_batches": 4, "steps": 3, "batch_size": 2, "grad_accum": 1, "seq_len": 16,
         "lr": 0.001, "warmup_steps": None, "lr_decay": "cosine", "min_lr_ratio": 0.1,
         "weight_decay": 0.01, "clip_grad": 0.0, "seed": 0, "dtype": "fp32", "tp": 1,
-        "dp": 1, "dp_mode": "ddp", "pp": 1, "n_microbatches": 4, "sequence_parallel": False,
-        "ckpt_ratio": 0.0, "deterministic": True,
+        "dp": 1, "dp_mode": "ddp", "dp_replicate": 1, "pp": 1, "pipeline_schedule": "1F1B",
+        "stages_per_rank": None, "n_microbatches": 4, "sequence_parallel": False,
+        "ckpt_ratio": 0.0, "ac": None, "deterministic": True,
         "recipe": "import torchloom\n\nsch = torchloom.create_schedule(model)"}
 
 
 def test_a_checkpoint_of_an_older_version_resumes_with_the_new_fields_at_defaults():
     old = {k: v for k, v in T.run_config(T.TrainConfig(), "").items()
            if k not in ("data", "grad_accum", "clip_grad", "dtype")}
-    T._compare(old, T.run_config(T.TrainConfig(), ""), "step-1", "runs/x")  # no error
-    with pytest.raises(S.CheckpointMismatchError, match="configuration: grad_accum"):
-        T._compare(old, T.run_config(T.TrainConfig(grad_accum=2), ""), "step-1", "runs/x")
+    compare(old, T.run_config(T.TrainConfig(), ""), "step-1", "runs/x")  # no error
+    with pytest.raises(S.CheckpointMismatchError, match="configuration: dtype"):
+        compare(old, T.run_config(T.TrainConfig(dtype="bf16"), ""), "step-1", "runs/x")
 
 
 def test_resume_with_another_configuration_lists_the_fields(cli, finished_run):
@@ -99,7 +101,7 @@ def test_a_different_recipe_is_a_difference():
     with pytest.raises(S.CheckpointMismatchError, match=re.escape(
             "torchloom train(...): checkpoint 'step-4' was saved by a run with another "
             "configuration: recipe")) as info:
-        T._compare(saved, {**saved, "recipe": ""}, "step-4", "runs/x")
+        compare(saved, {**saved, "recipe": ""}, "step-4", "runs/x")
     assert str(info.value) == (
         "torchloom train(...): checkpoint 'step-4' was saved by a run with another "
         "configuration: recipe\n"

@@ -70,12 +70,24 @@ def option_sp_without_tp():
     TrainConfig(sequence_parallel=True)
 
 
-def option_bf16_with_pp():
-    TrainConfig(pp=2, dtype="bf16")
+def option_hsdp_with_one_replica():
+    TrainConfig(dp=2, dp_mode="hsdp")
 
 
-def option_fsdp_with_save_dir():
-    TrainConfig(dp=2, dp_mode="fsdp", save_dir="runs/x")
+def option_dp_replicate_without_hsdp():
+    TrainConfig(dp=4, dp_mode="fsdp", dp_replicate=2)
+
+
+def option_one_stage_schedule_with_virtual_stages():
+    TrainConfig(pp=2, pipeline_schedule="1F1B", stages_per_rank=3, batch_size=8)
+
+
+def option_pipeline_schedule_typo():
+    TrainConfig(pp=2, pipeline_schedule="Interleaved", batch_size=8)
+
+
+def option_ac_with_a_ratio():
+    TrainConfig(ac="op", ckpt_ratio=0.5)
 
 
 def option_warmup_longer_than_the_run():
@@ -156,9 +168,10 @@ def check_empty_data_folder(tmp_path: Path):
     T.check_config(TrainConfig(data=[str(tmp_path / "empty")], steps=1))
 
 
-def check_pipeline_save_dir_with_other_files(tmp_path: Path):
-    (tmp_path / "notes.txt").write_text("mine")
-    T.check_config(TrainConfig(pp=2, save_dir=str(tmp_path), batch_size=8))
+def check_resume_from_stage_folders_of_an_older_version(tmp_path: Path):
+    (tmp_path / "stage-0").mkdir()
+    (tmp_path / "stage-1").mkdir()
+    T.check_config(TrainConfig(pp=2, save_dir=str(tmp_path), batch_size=8, resume=True))
 
 
 _FIX = r".*fix: "
@@ -189,11 +202,22 @@ CASES: list[tuple[Callable, type, str]] = [
     (option_sp_without_tp, TrainOptionError,
      r"--sp: sequence parallelism needs --tp 2 or more.*values: sequence_parallel=True, "
      r"tp=1" + _FIX + r"--tp 2 --sp, or leave --sp out"),
-    (option_bf16_with_pp, TrainOptionError,
-     r"--dtype bf16 with --pp: the pipeline's send and receive buffers are sized in fp32"),
-    (option_fsdp_with_save_dir, TrainOptionError,
-     r"--dp-mode fsdp with --save-dir: torchloom checkpoints hold tensor-parallel shards, not "
-     r"FSDP2's DTensor shards, yet" + _FIX + r"--dp-mode ddp to save checkpoints"),
+    (option_hsdp_with_one_replica, TrainOptionError,
+     r"--dp-mode hsdp: --dp 2 ranks are --dp-replicate 1 replica groups of FSDP2 shards, and "
+     r"HSDP needs at least 2 of each\n    values: dp=2, dp_replicate=1\n    fix: --dp 4 "
+     r"--dp-mode hsdp --dp-replicate 2 \(2 replicas of 2 shards\)$"),
+    (option_dp_replicate_without_hsdp, TrainOptionError,
+     r"--dp-replicate 2 is for --dp-mode hsdp" + _FIX +
+     r"--dp-mode hsdp --dp-replicate 2, or leave --dp-replicate out$"),
+    (option_one_stage_schedule_with_virtual_stages, TrainOptionError,
+     r"--pp 2 --pipeline-schedule 1F1B: 1F1B runs one stage per rank, not 3" + _FIX +
+     r"--stages-per-rank 1, or --pipeline-schedule Interleaved1F1B --stages-per-rank 3$"),
+    (option_pipeline_schedule_typo, TrainOptionError,
+     r"--pipeline-schedule 'Interleaved': must be one of GPipe, 1F1B, Interleaved1F1B, "
+     r"InterleavedZeroBubble, ZBVZeroBubble"),
+    (option_ac_with_a_ratio, TrainOptionError,
+     r"--ac op checkpoints every layer and --ckpt-ratio 0\.5 a share of them" + _FIX +
+     r"--ac op alone, or --ckpt-ratio 0\.5 alone$"),
     (option_warmup_longer_than_the_run, TrainOptionError,
      r"--warmup-steps 20: more warm-up steps than --steps 10" + _FIX + r"--warmup-steps 1"),
     (option_resume_without_save_dir, TrainOptionError,
@@ -237,7 +261,9 @@ CASES: list[tuple[Callable, type, str]] = [
      r"the training text holds 57 tokens, not more than one window of --seq-len 64"),
     (check_empty_data_folder, DataError,
      r"the folder holds no files.*data='.*empty'" + _FIX + r"put \.txt files in it"),
-    (check_pipeline_save_dir_with_other_files, CheckpointIOError,
-     r"a pipeline run saves into stage-0, stage-1 inside the save directory, which holds "
-     r"other files.*contents=\['notes\.txt'\]"),
+    (check_resume_from_stage_folders_of_an_older_version, CheckpointIOError,
+     r"the save directory holds stage-0, stage-1: the per-stage checkpoints of a pipeline run "
+     r"of an older torchloom, which saved each stage apart; this version saves one checkpoint "
+     r"for every layout and does not read them" + _FIX + r"start anew in another directory: "
+     r"--save-dir .*-2; or finish that run with the torchloom version that wrote it$"),
 ]

@@ -41,13 +41,15 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..core.errors import TrainOptionError
 
-__all__ = ["AC_MODES", "DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "RUN_FIELDS", "TrainConfig",
+__all__ = ["AC_MODES", "DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "LAYOUT_FIELDS",
+           "RUN_FIELDS", "TrainConfig",
            "TrainOptionError", "load_toml", "model_kind", "options"]
 
 PRIMITIVE = "torchloom train"
@@ -65,6 +67,13 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
+
+LAYOUT_FIELDS = ("tp", "dp", "dp_mode", "dp_replicate", "pp", "pipeline_schedule",
+                 "stages_per_rank", "n_microbatches", "grad_accum", "sequence_parallel",
+                 "ckpt_ratio", "ac")
+"""The :data:`RUN_FIELDS` that only spread a step over the ranks (the same global batch,
+the same arithmetic up to reduction order): ``--resume`` into another layout reshards the
+checkpoint on load and says what changed, without ``--allow-config-change``."""
 
 
 def model_kind(model: str) -> str | None:
@@ -429,13 +438,6 @@ def _check_combinations(c: TrainConfig) -> None:
             fix=f"--ac {c.ac} alone, or --ckpt-ratio {c.ckpt_ratio} alone")
     if c.pp > 1:
         _check_pipeline(c)
-    if c.dp_mode == "fsdp" and c.save_dir:
-        raise TrainOptionError(
-            "--dp-mode fsdp with --save-dir: torchloom checkpoints hold tensor-parallel "
-            "shards, not FSDP2's DTensor shards, yet", primitive=PRIMITIVE,
-            values={"dp_mode": c.dp_mode, "save_dir": c.save_dir},
-            fix="--dp-mode ddp to save checkpoints, or --save-pretrained DIR (which FSDP2 "
-            "runs can write) without --save-dir")
     if c.resume and not c.save_dir:
         raise TrainOptionError(
             "--resume needs the checkpoint directory", primitive=PRIMITIVE,
@@ -453,9 +455,23 @@ def _check_combinations(c: TrainConfig) -> None:
                         c.tensorboard, {"tensorboard": c.tensorboard}) from None
 
 
+def _as_flags(text: str) -> str:
+    """A Layout's fix in flags: ``Layout(pp=2, n_microbatches=2)`` -> ``--pp 2
+    --n-microbatches 2``."""
+    def flags(match: re.Match[str]) -> str:
+        pairs = re.findall(r"(\w+)=('[^']*'|[^,)]+)", match.group(1))
+        return " ".join(f"{FLAGS.get(k, '--' + k.replace('_', '-'))} {v.strip().strip(chr(39))}"
+                        for k, v in pairs)
+    return re.sub(r"Layout\(([^)]*)\)", flags, text)
+
+
 def _check_pipeline(c: TrainConfig) -> None:
     """The pipeline's options against each other, through the run's Layout (its message,
-    with the flags named)."""
+    with the flags named).
+
+    >>> _as_flags("Layout(pipeline_schedule='Interleaved1F1B', stages_per_rank=2)")
+    '--pipeline-schedule Interleaved1F1B --stages-per-rank 2'
+    """
     from ..core.errors import LayoutError
 
     try:
@@ -467,9 +483,7 @@ def _check_pipeline(c: TrainConfig) -> None:
             values={"pp": c.pp, "pipeline_schedule": c.pipeline_schedule,
                     "stages_per_rank": c.stages_per_rank,
                     "n_microbatches": c.n_microbatches, "grad_accum": c.grad_accum},
-            fix="--n-microbatches at least --pp; --stages-per-rank 2 or more with an "
-            "interleaved or zero-bubble schedule, 1 with GPipe or 1F1B; exactly 2 with "
-            "ZBVZeroBubble") from None
+            fix=_as_flags(exc.fix or "")) from None
 
 
 def _key(name: str) -> str:

@@ -65,20 +65,14 @@ from ..core.errors import NonFiniteLossError, ScheduleError
 from ..core.meta import shard_spec
 from ..core.outputs import no_cache_kwargs
 from ..core.rules import layer_stacks
-from ..parallel import Parallelized, create_schedule, init_mesh, parallelize
+from ..parallel import Parallelized, checkpoint_group, create_schedule, init_mesh, parallelize
 from ..runtime.collectives import guard_collective
 from ..runtime.loop import lr_at, train_step
 from ..runtime.materialise import init_empty_weights
 from ..runtime.model_check import check_config_sizes, check_fits, format_bytes
 from ..runtime.rng import get_rng_tracker, set_random_seed
 from ..runtime.state import (
-    CheckpointIOError,
-    CheckpointMismatchError,
-    check_save_dir,
-    check_writable,
-    describe_dir,
     find_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     save,
     writable_problem,
@@ -87,13 +81,13 @@ from ..schedules import zoo
 from ..tools import usercode
 from . import data
 from .jobconfig import FLAGS, RUN_FIELDS, TrainConfig, TrainOptionError
+from .train_checkpoints import check_run_dir, compare, run_config
 
 __all__ = ["NonFiniteLossError", "RUN_FIELDS", "TrainConfig", "TrainOptionError", "batch_at",
            "check_config", "count_parameters", "layer_lists", "load_data", "lr_at",
            "make_model", "meta_model", "run_config", "train_rank"]
 
 _PRIMITIVE = "torchloom train"
-_DEFAULTS = TrainConfig().run_fields()
 Report = Callable[[dict[str, Any]], None]
 
 
@@ -445,7 +439,7 @@ def check_config(cfg: TrainConfig) -> None:
     _check_data(cfg, load_data(cfg), int(model.get_input_embeddings().num_embeddings))
     _check_outputs(cfg)
     if cfg.save_dir:
-        _check_save_dir(cfg)
+        check_run_dir(cfg)
 
 
 def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
@@ -571,109 +565,6 @@ def _check_outputs(cfg: TrainConfig) -> None:
                 f"--save-pretrained {cfg.save_pretrained!r} cannot be written: {unwritable}",
                 primitive=_PRIMITIVE, values={"save_pretrained": cfg.save_pretrained},
                 fix="--save-pretrained /scratch/exported (a folder on a writable file system)")
-
-
-def _stage_dirs(cfg: TrainConfig) -> list[str]:
-    """Where each pipeline stage saves (``save_dir/stage-K``); ``[save_dir]`` without pp."""
-    assert cfg.save_dir
-    if cfg.pp == 1:
-        return [cfg.save_dir]
-    return [os.path.join(cfg.save_dir, f"stage-{k}") for k in range(cfg.pp)]
-
-
-def _common_steps(cfg: TrainConfig) -> list[int]:
-    """The steps every stage directory holds a complete checkpoint of, newest first."""
-    steps: set[int] | None = None
-    for folder in _stage_dirs(cfg):
-        found = {c.step for c in list_checkpoints(folder)}
-        steps = found if steps is None else steps & found
-    return sorted(steps or (), reverse=True)
-
-
-def _check_save_dir(cfg: TrainConfig) -> None:
-    assert cfg.save_dir
-    if cfg.pp > 1 and os.path.isdir(cfg.save_dir):
-        stages = {os.path.basename(d) for d in _stage_dirs(cfg)}
-        others = sorted(e for e in os.listdir(cfg.save_dir) if e not in stages)
-        if others:
-            raise CheckpointIOError(
-                f"a pipeline run saves into {', '.join(sorted(stages))} inside the save "
-                "directory, which holds other files", primitive=_PRIMITIVE,
-                values={"save_dir": cfg.save_dir, "contents": others[:8]},
-                fix=f"pass a new or empty directory: --save-dir {cfg.save_dir}-pp")
-    for folder in _stage_dirs(cfg):
-        check_save_dir(folder, _PRIMITIVE)
-    check_writable(cfg.save_dir, _PRIMITIVE)  # a read-only disk fails now, not at a save
-    steps = _common_steps(cfg)
-    newest = list_checkpoints(_stage_dirs(cfg)[0])
-    if cfg.resume and not steps:
-        raise CheckpointIOError(
-            "--resume: the save directory holds no complete checkpoint to resume from",
-            primitive=_PRIMITIVE,
-            values={"save_dir": cfg.save_dir, "contents": describe_dir(cfg.save_dir)},
-            fix=f"check the directory name, or start the run without --resume: torchloom "
-            f"train --model {cfg.model} --save-dir {cfg.save_dir}")
-    if not cfg.resume and any(list_checkpoints(d) for d in _stage_dirs(cfg)):
-        found = next(list_checkpoints(d) for d in _stage_dirs(cfg) if list_checkpoints(d))
-        raise CheckpointIOError(
-            f"the save directory already holds checkpoints of a run (newest: step "
-            f"{found[0].step}); a new run would replace them",
-            primitive=_PRIMITIVE,
-            values={"save_dir": cfg.save_dir, "checkpoints": [c.name for c in found]},
-            fix=f"continue that run: torchloom train --save-dir {cfg.save_dir} --resume; or "
-            f"start anew in another directory: --save-dir {cfg.save_dir}-2")
-    if cfg.resume and not cfg.allow_config_change:
-        # the recipe is compared once the schedule exists (in the ranks)
-        ckpt = next(c for c in newest if c.step == steps[0])
-        _compare(ckpt.config, cfg.run_fields(), ckpt.name, cfg.save_dir, recipe=False)
-
-
-def run_config(cfg: TrainConfig, recipe: str) -> dict[str, Any]:
-    """What a checkpoint of this run records: :data:`RUN_FIELDS` and the recipe text."""
-    return {**cfg.run_fields(), "recipe": recipe}
-
-
-def _flag_text(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return FLAGS[key] if value else ""
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        return " ".join(f"{FLAGS[key]} {v}" for v in value)
-    return f"{FLAGS[key]} {value}"
-
-
-def _compare(saved: dict[str, Any] | None, now: dict[str, Any], name: str, save_dir: str,
-             recipe: bool = True) -> None:
-    """Refuse to resume a checkpoint saved by a run of another configuration. A field the
-    checkpoint lacks (saved by an older torchloom) counts as its default."""
-    if saved is None:
-        raise CheckpointMismatchError(
-            f"checkpoint {name!r} holds no run configuration (it was not written by "
-            "torchloom train)", primitive=_PRIMITIVE, values={"save_dir": save_dir},
-            fix="resume it anyway: add --allow-config-change")
-    saved = {**{k: v for k, v in _DEFAULTS.items() if k in now}, **saved}
-    keys = [k for k in now if recipe or k != "recipe"]
-    if recipe:
-        keys += [k for k in saved if k not in now]
-    differ = [k for k in keys if saved.get(k) != now.get(k)]
-    if not differ:
-        return
-    lines = []
-    for k in differ:
-        if k == "recipe":
-            lines.append("recipe: the schedule differs")
-        else:
-            lines.append(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now")
-    flags = " ".join(t for k in differ if k in FLAGS and k in saved
-                     and (t := _flag_text(k, saved[k])))
-    again = (f"resume with the checkpoint's values: torchloom train --save-dir {save_dir} "
-             f"--resume {flags}".rstrip() + "; or ") if flags else ""
-    raise CheckpointMismatchError(
-        f"checkpoint {name!r} was saved by a run with another configuration: "
-        f"{', '.join(differ)}", primitive=_PRIMITIVE,
-        values={"save_dir": save_dir, "differences": lines},
-        fix=f"{again}continue with the new values: add --allow-config-change")
 
 
 # --------------------------------------------------------------------------- a rank
@@ -869,26 +760,27 @@ class _Run:
 
     def first_step(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    config: dict[str, Any], last: int) -> int | dict[str, Any]:
-        """Load the newest checkpoint every stage holds; the first step to run, or the
-        result of a run that has nothing left to do."""
+        """Load the newest loadable checkpoint (into this run's layout, whatever the
+        layout that saved it); the first step to run, or the result of a run that has
+        nothing left to do."""
         cfg = self.cfg
         if not (cfg.resume and cfg.save_dir):
             return 1
-        # one stage: the newest loadable checkpoint (falling back past a damaged one);
-        # pipeline stages: the newest step that every stage saved
-        steps = _common_steps(cfg) if cfg.pp > 1 else []
-        folder = _stage_dirs(cfg)[self.pp_rank]
-        ckpt = find_checkpoint(folder, step=steps[0] if steps else None, group=self.tp_group,
-                               set_aside=self.dp_rank == 0,
+        group, writes = checkpoint_group(self.layout, self.mesh)
+        ckpt = find_checkpoint(cfg.save_dir, group=group, set_aside=writes,
                                primitive=_PRIMITIVE)
+        changes: list[str] = []
         if not cfg.allow_config_change:
-            _compare(ckpt.config, config, ckpt.name, cfg.save_dir)
+            changes = compare(ckpt.config, config, ckpt.name, cfg.save_dir)
         self.checkpoint = ckpt.path
         if ckpt.step >= last:
             return {"losses": [], "first_step": ckpt.step + 1, "tokens_per_s": 0.0,
                     "eval_losses": {}, "resumed_step": ckpt.step,
                     "complete": ckpt.step >= cfg.steps}
-        return load_checkpoint(module, optimizer, ckpt, group=self.tp_group) + 1
+        step = load_checkpoint(module, optimizer, ckpt, group=group)
+        self.report({"kind": "resume", "step": step, "checkpoint": ckpt.path,
+                     "layout_changes": changes})
+        return step + 1
 
     def maybe_save(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                    config: dict[str, Any], step: int, last: int) -> None:
@@ -896,11 +788,12 @@ class _Run:
         if not cfg.save_dir or not ((cfg.save_every and step % cfg.save_every == 0)
                                     or step == last):
             return
-        # Data-parallel replicas hold the same state: the first one writes it (each
-        # pipeline stage into its own directory).
-        if self.dp_rank == 0:
-            self.checkpoint = save(module, optimizer, _stage_dirs(cfg)[self.pp_rank], step,
-                                   group=self.tp_group, config=config)
+        # one checkpoint of the whole model: replica 0's ranks write it (the replicas hold
+        # the same tensors), or every rank with FSDP2 (each holds its own shards)
+        group, writes = checkpoint_group(self.layout, self.mesh)
+        if writes:
+            self.checkpoint = save(module, optimizer, cfg.save_dir, step, group=group,
+                                   config=config)
         if self.world > 1:
             with guard_collective("barrier", _PRIMITIVE):
                 dist.barrier()

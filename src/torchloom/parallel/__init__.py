@@ -10,6 +10,8 @@ schedules and builds) and below :mod:`torchloom.plan`, :mod:`torchloom.tune`,
 8
 """
 
+# what torchloom.parallel offered before it was a package of its own
+from ..runtime.parallel import DP_TARGETS, MESH_DIMS, fully_shard_model, wrap_data_parallel
 from .layout import (
     AC_MODES,
     DP_MODES,
@@ -20,13 +22,10 @@ from .layout import (
     Layout,
     data_parallel,
 )
-from .mesh import PIECES, group_of, init_mesh
+from .mesh import PIECES, checkpoint_group, group_of, init_mesh
 from .parallelize import Parallelized, create_schedule, parallelize
-
-# what torchloom.parallel offered before it was a package of its own
-from ..runtime.parallel import DP_TARGETS, MESH_DIMS, fully_shard_model, wrap_data_parallel
 
 __all__ = ["AC_MODES", "DP_MODES", "DP_TARGETS", "MESH_DIMS", "fully_shard_model",
            "wrap_data_parallel", "DTYPES", "Layout", "NOTATION", "OPTIMIZERS", "PIECES",
-           "PIPELINE_SCHEDULES", "Parallelized", "create_schedule", "data_parallel",
+           "PIPELINE_SCHEDULES", "Parallelized", "checkpoint_group", "create_schedule", "data_parallel",
            "group_of", "init_mesh", "parallelize"]

@@ -332,7 +332,8 @@ class Layout:
             raise _fail(f"{self.pipeline_schedule} runs one stage per rank, not "
                         f"{self.per_rank}", {"pipeline_schedule": self.pipeline_schedule,
                                              "stages_per_rank": self.per_rank},
-                        "Layout(pipeline_schedule='Interleaved1F1B', stages_per_rank=2)")
+                        f"Layout(stages_per_rank=1), or Layout(pipeline_schedule="
+                        f"'Interleaved1F1B', stages_per_rank={self.per_rank})")
         if self.pp > 1 and self.pipeline_schedule in V_SHAPED and self.per_rank != 2:
             raise _fail(f"{self.pipeline_schedule} places two stages on each rank, in a V; "
                         f"not {self.per_rank}", {"stages_per_rank": self.per_rank},

@@ -25,14 +25,15 @@ from ..core.errors import LayoutError
 from ..runtime.mesh import Mesh, make_mesh
 from .layout import Layout
 
-__all__ = ["PIECES", "group_of", "init_mesh"]
+__all__ = ["PIECES", "checkpoint_group", "group_of", "init_mesh"]
 
 PIECES = {"schedule": "tp", "pipeline": "pp", "data": "dp", "fsdp": "dp_shard",
-          "checkpoint": "stage"}
+          "checkpoint": "model"}
 """Which mesh dimension each piece of a layout runs its collectives on: the schedule's
 tensor-parallel syncs (and the vocabulary-parallel embedding and loss), the pipeline's
 sends, the data-parallel gradient average and batch split, FSDP2's shards (with HSDP's
-replicas), the checkpoint of a pipeline stage."""
+replicas), the checkpoint written by one data-parallel replica (without FSDP2; with it
+every rank writes: :func:`checkpoint_group`)."""
 
 
 def init_mesh(layout: Layout | None = None, device_type: str | None = None, *,
@@ -72,3 +73,20 @@ def group_of(mesh: Mesh | None, piece: str) -> Any:
     if mesh is None or mesh.size(PIECES[piece]) == 1:
         return None
     return mesh.group(PIECES[piece])
+
+
+def checkpoint_group(layout: Layout, mesh: Mesh | None) -> tuple[Any, bool]:
+    """``(group, writes)``: the group this rank saves and loads a run's checkpoint with
+    (:func:`torchloom.save` / :func:`torchloom.load`), and whether it writes.
+
+    Without FSDP2 the data-parallel replicas hold the same tensors: the ranks of replica
+    0 (its pipeline x tensor-parallel ranks, the mesh's ``model`` view) write one
+    checkpoint of the whole model, and every replica loads it over its own ``model``
+    group. With FSDP2 or HSDP each rank holds its own shards: every rank writes and
+    loads, over the default group (None). One checkpoint for every layout, so a run
+    resumes into another layout by loading it (resharded on load)."""
+    if mesh is None:
+        return None, True
+    if layout.dp_shard > 1:
+        return None, True
+    return mesh.group("model"), mesh.local_rank("dp") == 0

@@ -3,14 +3,16 @@
 :func:`make_mesh` lays the ranks of the default process group out on a
 ``torch.distributed.device_mesh.DeviceMesh`` with the dimensions
 ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, outermost first (tensor-parallel ranks
-adjacent, pipeline stages farthest apart), and flattens two more views of it:
+adjacent, pipeline stages farthest apart), and flattens three more views of it:
 
 * ``"dp"``: every data-parallel rank (``dp_replicate x dp_shard``): the group DDP averages
   gradients over and a data-parallel rank's share of the batch is taken from;
 * ``"stage"``: every rank of one pipeline stage (``dp_replicate x dp_shard x cp x tp``):
-  the group a stage's checkpoint is written by.
+  the group a stage's checkpoint is written by;
+* ``"model"``: every rank of one data-parallel replica (``pp x cp x tp``): together they
+  hold the whole model once (without FSDP, the group one replica writes a checkpoint with).
 
-A :class:`Mesh` holds the three; ``mesh[name]`` is the 1-D mesh of a dimension (or a
+A :class:`Mesh` holds them; ``mesh[name]`` is the 1-D mesh of a dimension (or a
 flattened view), :meth:`Mesh.group` its process group and :meth:`Mesh.local_rank` this
 rank's place in it, :attr:`Mesh.fsdp_mesh` what FSDP2 shards over (``dp_shard``, or the
 2-D ``(dp_replicate, dp_shard)`` mesh of HSDP). Every group torchloom uses for a layout
@@ -23,8 +25,8 @@ A world of one rank has no mesh (None): nothing is distributed.
 >>> from torch.testing._internal.distributed.fake_pg import FakeStore
 >>> dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
 >>> mesh = make_mesh(pp=2, dp_shard=2, tp=2, device_type="cpu")
->>> [mesh.local_rank(d) for d in ("pp", "dp_shard", "tp", "dp", "stage")]
-[1, 0, 1, 0, 1]
+>>> [mesh.local_rank(d) for d in ("pp", "dp_shard", "tp", "dp", "stage", "model")]
+[1, 0, 1, 0, 1, 3]
 >>> mesh.size("stage"), mesh.fsdp_mesh.mesh_dim_names
 (4, ('dp_shard',))
 >>> dist.destroy_process_group()
@@ -45,8 +47,9 @@ __all__ = ["DIMS", "Mesh", "make_mesh"]
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
-FLAT = ("dp", "stage")
-"""The flattened views: every data-parallel rank; every rank of one pipeline stage."""
+FLAT = ("dp", "stage", "model")
+"""The flattened views: every data-parallel rank; every rank of one pipeline stage; every
+rank of one data-parallel replica."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class Mesh:
     """The flattened ``(dp_replicate, dp_shard)`` mesh."""
     stage: Any
     """The flattened ``(dp_replicate, dp_shard, cp, tp)`` mesh."""
+    model: Any
+    """The flattened ``(pp, cp, tp)`` mesh."""
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -74,6 +79,8 @@ class Mesh:
             return self.dp
         if name == "stage":
             return self.stage
+        if name == "model":
+            return self.model
         if name not in DIMS:
             raise BuildError(f"the mesh has no dimension {name!r}", primitive="Mesh",
                              values={"name": name, "dims": list(DIMS + FLAT)},
@@ -133,4 +140,5 @@ def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int 
                             mesh_dim_names=DIMS)
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     stage = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
-    return Mesh(root, dp, stage)
+    model = root["pp", "cp", "tp"]._flatten("model")
+    return Mesh(root, dp, stage, model)
