@@ -135,15 +135,19 @@ def test_train_refuses_a_model_beyond_memory_with_the_estimate(tmp_path, sizes, 
 
 def test_the_train_estimate_divides_by_the_sharding(tmp_path, monkeypatch):
     seen: list[int] = []
-    monkeypatch.setattr(T, "check_fits", lambda need, *a, **k: seen.append(need))
+    from torchloom.apps import train_checks
+
+    monkeypatch.setattr(train_checks, "check_fits", lambda need, *a, **k: seen.append(need))
     config = transformers.AutoConfig.from_pretrained(_config_file(tmp_path))
-    for tp, dp, mode in ((1, 1, "ddp"), (2, 1, "ddp"), (1, 2, "fsdp")):
+    for tp, dp, mode, replicas in ((1, 1, "ddp", 1), (2, 1, "ddp", 1), (1, 2, "fsdp", 1),
+                                   (1, 4, "hsdp", 2)):
         cfg = TrainConfig(model=_config_file(tmp_path), tp=tp, dp=dp, dp_mode=mode,
-                          batch_size=4)
+                          dp_replicate=replicas, batch_size=4)
         with torch.device("meta"):
             T._check_memory(cfg, T._from_config(cfg, config))
-    # one rank: 4 copies of the parameters; tp 2: half per rank, 2 ranks here; fsdp alike
-    assert seen[0] > 0 and seen[1] == seen[0] and seen[2] == seen[0]
+    # one rank: 4 copies of the parameters; tp 2: half per rank, 2 ranks here; fsdp alike;
+    # HSDP 2 x 2: half per rank (sharded within a replica), 4 ranks here
+    assert seen[0] > 0 and seen[1] == seen[0] and seen[2] == seen[0] and seen[3] == 2 * seen[0]
 
 
 def test_build_refuses_meta_tensors_beyond_memory():

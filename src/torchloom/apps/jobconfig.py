@@ -322,18 +322,18 @@ def _validate(c: TrainConfig) -> None:
         raise _fail("seed", c.seed, "the seed must be an integer", 0)
     if not _is_number(c.lr) or c.lr <= 0:
         raise _fail("lr", c.lr, "the peak learning rate must be a positive number", 1e-3)
-    for name, low, high, example in (("min_lr_ratio", 0.0, 1.0, 0.1),
-                                     ("ckpt_ratio", 0.0, 1.0, 0.5)):
-        value = getattr(c, name)
-        if not _is_number(value) or not low <= value <= high:
-            raise _fail(name, value, f"must be a number from {low:g} to {high:g}", example)
+    for name, least, most, fraction in (("min_lr_ratio", 0.0, 1.0, 0.1),
+                                        ("ckpt_ratio", 0.0, 1.0, 0.5)):
+        ratio = getattr(c, name)
+        if not _is_number(ratio) or not least <= ratio <= most:
+            raise _fail(name, ratio, f"must be a number from {least:g} to {most:g}", fraction)
     if not _is_number(c.eval_fraction) or not 0 < c.eval_fraction < 1:
         raise _fail("eval_fraction", c.eval_fraction,
                     "the held-out share must be a number between 0 and 1 (exclusive)", 0.1)
-    for name, example in (("weight_decay", 0.01), ("clip_grad", 1.0)):
-        value = getattr(c, name)
-        if not _is_number(value) or value < 0:
-            raise _fail(name, value, "must be a non-negative number (0: off)", example)
+    for name, number in (("weight_decay", 0.01), ("clip_grad", 1.0)):
+        ratio = getattr(c, name)
+        if not _is_number(ratio) or ratio < 0:
+            raise _fail(name, ratio, "must be a non-negative number (0: off)", number)
     if not _is_number(c.timeout) or c.timeout <= 0:
         raise _fail("timeout", c.timeout, "the collective timeout must be a positive number of "
                     "seconds", 120)

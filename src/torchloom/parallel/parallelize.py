@@ -61,6 +61,7 @@ from ..runtime.build import build
 from ..runtime.collectives import guard_collective
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
+from ..schedules._common import node_at
 from .layout import Layout
 from .mesh import PIECES
 
@@ -186,7 +187,7 @@ def _apply_schedule(root: Schedule, layout: Layout, knobs: dict[str, Any]) -> No
 def _stacks(sch: Schedule, schedule_at: str, stacks: list[str] | None) -> list[str]:
     if stacks is not None:
         return list(stacks)
-    root = sch[schedule_at] if schedule_at else sch
+    root = node_at(sch, schedule_at)
     return [join_path(schedule_at, path) for path in layer_stacks(root.mod)]
 
 
@@ -264,7 +265,7 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
             stages, a pipeline without example inputs or loss.
     """
     _check(sch, layout, mesh)
-    root = sch[schedule_at] if schedule_at else sch
+    root = node_at(sch, schedule_at)
     done = Parallelized(model=None, module=sch.mod, schedule=sch, layout=layout, mesh=mesh)
     # 1. tensor and sequence parallelism: the model's schedule over the tp group
     if apply_schedule:
