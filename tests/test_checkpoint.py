@@ -442,3 +442,37 @@ def test_kv_cache_in_training_is_turned_off_with_one_warning():
 def test_errors_are_schedule_errors():
     assert issubclass(CheckpointError, ScheduleError)
     assert ckpt_mod.NAME == "checkpoint"
+
+
+# --------------------------------------------------------------------------- op-level policy
+
+
+def test_op_policy_recomputes_no_matmul_and_keeps_the_gradients():
+    """``policy="op"`` (torchtitan's op-level selective checkpointing) keeps the outputs
+    of the matrix products: the backward recomputes none (0 extra FLOPs, where a full
+    recompute re-runs one matmul per block), only the cheap ops (ReLU, dropout, with the
+    same random mask), and the gradients equal the unscheduled model's bit for bit."""
+    base, full, op = mlp_stack(), mlp_stack(), mlp_stack()
+    tl.create_schedule(full).checkpoint(ratio=1)
+    tl.create_schedule(op).checkpoint(ratio=1, policy="op")
+    assert train_flops(op) == train_flops(base)
+    assert train_flops(full) == train_flops(base) + L * 2 * B * D * H
+    x = torch.randn(B, D)
+    grads = []
+    for model in (base, op):
+        model.zero_grad()
+        torch.manual_seed(3)  # the dropout masks
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_unknown_policy_is_refused():
+    sch = tl.create_schedule(mlp_stack())
+    with pytest.raises(CheckpointError) as info:
+        sch["0"].checkpoint(policy="selective")
+    assert str(info.value) == (
+        "sch['0'].checkpoint(...): unknown checkpoint policy 'selective'\n"
+        "    values: policy='selective', policies=['op']\n"
+        "    fix: sch['0'].checkpoint(policy='op'), or no policy (recompute all)")

@@ -82,3 +82,26 @@ def test_torchrun_launches_tensor_data_and_pipeline_parallel_training():
         assert done.returncode == 0, done.stdout + done.stderr
         assert sorted(_losses(done.stdout)) == [1, 2]
         assert done.stdout.count("trained steps 1..2") == 1  # rank 0 reports
+
+
+def test_activation_checkpointing_policies_train_the_same_losses():
+    """``--ac full`` and ``--ac op`` (every layer; op-level selective) and ``--ckpt-ratio``
+    recompute what they drop exactly: the losses equal a run without checkpointing, and
+    the run's recipe records the policy."""
+    from torchloom.apps import train as T
+
+    def losses(**knobs) -> list[float]:
+        cfg = T.TrainConfig(model="llama", steps=2, batch_size=4, seq_len=16, **knobs)
+        return T.train_rank(0, cfg)["losses"]
+
+    plain = losses()
+    assert losses(ac="full") == plain
+    assert losses(ac="op") == plain
+    assert losses(ckpt_ratio=0.5) == plain
+    from torchloom.parallel import Layout, create_schedule, parallelize
+    from torchloom.schedules import zoo
+
+    sch = create_schedule(zoo.make_model("llama"), None)
+    done = parallelize(sch, Layout(ac="op"))
+    assert done.checkpointed == ["model.layers.0", "model.layers.1"]
+    assert "sch['model.layers'].checkpoint(ratio=1.0, policy='op')" in str(sch.recipe)
