@@ -186,3 +186,23 @@ def test_compiled_layers_run_without_checkpoints_by_default():
                                  "compile_scope": "layers", "chosen_by": "default"}
     assert sched["compile_s"] > 0 and sched["fits_budget"]
     assert sched["batch_size"] == sched["ckpt_batches"]["0"]
+
+
+def test_the_schedule_variant_is_built_by_parallelize():
+    """The bench's schedule is the layout ``Layout(ckpt_ratio=r)`` that
+    ``torchloom.parallelize`` builds: the layers it checkpoints are the layout's, each
+    compiled in place (or the root compiled, for the whole-model candidate)."""
+    from torchloom.apps.bench import _layers, _scheduled
+    from torchloom.core.marks import CHECKPOINTED, COMPILED, has_mark
+    from torchloom.parallel import Layout
+
+    cfg = BenchConfig(models=["llama"], size="tiny", compile_backend="eager")
+    model = _scheduled("llama", "tiny", cfg, 0.5, "layers")
+    layers = _layers(model, "llama")
+    marked = [has_mark(layer, CHECKPOINTED) for layer in layers]
+    assert sum(marked) == Layout(ckpt_ratio=0.5).checkpointed(len(layers)) >= 1
+    assert marked == sorted(marked, reverse=True)  # the first ones
+    assert all(has_mark(layer, COMPILED) for layer in layers)
+    whole = _scheduled("llama", "tiny", cfg, 0.0, "whole")
+    assert has_mark(whole, COMPILED)
+    assert not any(has_mark(layer, COMPILED) for layer in _layers(whole, "llama"))

@@ -95,6 +95,10 @@ def test_verify_in_one_process_and_its_errors(run):
     assert result.exit_code == 2
     assert "sequence parallelism needs at least two tensor-parallel ranks" in result.output
     assert "torchloom verify gpt2 --tp 2 --sp" in result.output
+    result = run("verify", "gpt2", "--tp", "3", "--sp")  # refused before any rank starts
+    assert result.exit_code == 2
+    assert "splits the 16 positions verified between the 3 tensor-parallel ranks" \
+        in result.output
     result = run("verify", "resnet")
     assert result.exit_code == 2
     assert "resnet" in result.output and "gpt2" in result.output  # the known names

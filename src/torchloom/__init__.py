@@ -14,10 +14,9 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
-from . import ops, schedules
+from . import ops, parallel, schedules
 from .core import __version__
 from .graph import tracing
-from . import parallel
 from .runtime import pipeline
 
 models = schedules  # the package's name before 0.2: tl.models.apply_schedule still works
@@ -50,10 +49,10 @@ from .core.meta import ShardSpec, get_meta, shard_spec
 from .core.recipe import Recipe, RecipeEntry, apply_recipe
 from .core.schedule import Schedule, ScheduleGroup, create_schedule
 from .graph.pattern import Match, ModulePattern, Pattern
+from .parallel import Layout, Parallelized, parallelize
 from .primitives import list_primitives
 from .runtime import state
 from .runtime.agree import check_ranks_agree
-from .parallel import Layout, Parallelized, parallelize
 from .runtime.build import build
 from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
 from .runtime.materialise import init_empty_weights

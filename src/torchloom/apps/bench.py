@@ -5,10 +5,10 @@ Each model is trained for a few steps in one process, in three variants:
 * ``"eager"``: the transformers model as it is;
 * ``"compile"``: the same model under ``torch.compile`` (whole model; the first step,
   which compiles, is excluded from the timings and reported as ``compile_s``);
-* ``"torchloom"``: the model's built-in schedule (:func:`torchloom.schedules.apply_schedule`,
-  then :func:`torchloom.build`): each transformer layer compiled in place (the ``compile``
-  primitive; ``schedule_compile=False`` leaves it out) and activation checkpointing on a
-  ratio of the layers. The module tree and state-dict keys stay those of the model.
+* ``"torchloom"``: the model's built-in schedule at a layout of one process
+  (:func:`torchloom.parallelize` of ``Layout(ckpt_ratio=r)``): each transformer layer
+  compiled in place (the ``compile`` primitive; ``schedule_compile=False`` leaves it out)
+  and activation checkpointing on a ratio of the layers. The module tree and state-dict keys stay those of the model.
 
 Under a fixed budget for activation memory the schedule buys a larger batch: each
 variant runs the largest batch (up to ``max_batch``) whose peak saved-activation bytes fit
@@ -38,13 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import schedules
 from ..core.errors import CliOptionError
 from ..core.marks import CHECKPOINTED, has_mark
-from ..core.schedule import create_schedule
+from ..parallel import Layout, create_schedule, parallelize
 from ..plan.profiles import matmul_rate
 from ..plan.profiles import sync as _sync
-from ..runtime.build import build
 from ..runtime.loop import train_step
 from ..runtime.memory import count_saved
 from ..schedules import zoo
@@ -180,7 +178,13 @@ def _size(name: str, size: str) -> ModelSize:
 
 
 def _layers(model: nn.Module, name: str) -> list[nn.Module]:
-    return [layer for path in zoo.layer_paths(name) for layer in model.get_submodule(path)]
+    """The transformer layers of a zoo model (the items of its stacks of layers)."""
+    layers: list[nn.Module] = []
+    for path in zoo.layer_paths(name):
+        stack = model.get_submodule(path)
+        if isinstance(stack, (nn.ModuleList, nn.Sequential)):
+            layers.extend(stack)
+    return layers
 
 
 SCOPES = ("layers", "none", "whole")
@@ -194,16 +198,24 @@ def _default_scope(cfg: BenchConfig) -> str:
 
 def _scheduled(name: str, size: str, cfg: BenchConfig, ratio: float,
                scope: str | None = None) -> nn.Module:
+    """The model under its schedule, built by :func:`torchloom.parallelize` at a layout of
+    one process that checkpoints the first ``ratio`` of each stack of layers; ``scope``
+    (:data:`SCOPES`) says what is compiled with ``cfg.compile_backend``: each layer in
+    place (the schedule's ``compile`` knob; the compiled code sits inside the
+    checkpoints), nothing, or the whole model (``compile`` on the root, just before the
+    build)."""
     model = _make(name, size, cfg.seed, cfg.device)
-    sch = create_schedule(model)
+    sch = create_schedule(model, None)
     scope = scope or _default_scope(cfg)
-    knobs: dict[str, Any] = {"ckpt_ratio": ratio}
-    if scope == "layers":
-        knobs["compile"] = cfg.compile_backend
-    schedules.apply_schedule(sch, **knobs)
-    if scope == "whole":
+    knobs: dict[str, Any] = {"compile": cfg.compile_backend} if scope == "layers" else {}
+
+    def compile_whole() -> None:
         sch.compile(backend=cfg.compile_backend)
-    built, _ = build(sch)
+
+    done = parallelize(sch, Layout(ckpt_ratio=ratio), device=cfg.device, knobs=knobs,
+                       stacks=zoo.layer_paths(name),
+                       before_build=compile_whole if scope == "whole" else None)
+    built: nn.Module = done.model
     return built
 
 

@@ -82,7 +82,9 @@ def gather_full(key: str, tensor: torch.Tensor, spec: ShardSpec | None, group: A
 
 
 def gather_shards(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
-            primitive: str) -> torch.Tensor:
+                  primitive: str) -> torch.Tensor:
+    """The full tensor of this rank's tensor-parallel piece ``tensor`` (shard spec
+    ``spec``): the pieces of every rank of ``group`` gathered (a collective)."""
     check_spec(key, spec, group, primitive)
     local = tensor.detach()
     if spec.world_size == 1:

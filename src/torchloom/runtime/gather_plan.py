@@ -31,17 +31,13 @@ from ..core.errors import PretrainedError
 from ..core.marks import KEY_ORDER, TIED_KEYS, get_mark
 from ..core.meta import shard_spec
 from .collectives import group_rank, group_size
-from .gather import check_spec, gather_shards
+from .gather import check_spec, gather_full, is_dtensor
 from .pretrained_info import describe_model, unwrap
 
 __all__ = ["gather_full_state_dict", "local_entries"]
 
 
 # --------------------------------------------------------------------------- local entries
-
-
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "full_tensor") and hasattr(t, "placements")
 
 
 def _comm_device() -> torch.device:
@@ -64,18 +60,12 @@ class _Entry:
 
 
 def _full(tensor: torch.Tensor, key: str, group: Any, primitive: str) -> torch.Tensor:
-    """The full tensor: FSDP2 shards gathered, then tensor-parallel pieces (collectives)."""
-    from .collectives import guard_collective
-
+    """The full tensor of a state-dict entry (:func:`~torchloom.runtime.gather.gather_full`
+    with its own shard spec; a spec of one rank holds the whole tensor already)."""
+    spec = shard_spec(tensor)
     with torch.no_grad():
-        local = tensor.detach()
-        if _is_dtensor(local):
-            with guard_collective("DTensor.full_tensor", primitive):
-                local = local.full_tensor()  # type: ignore[attr-defined]
-        spec = shard_spec(tensor)
-        if spec is None or spec.world_size == 1:
-            return local
-        return gather_shards(key, local, spec, group, primitive)
+        return gather_full(key, tensor, spec if spec is not None and spec.world_size > 1
+                           else None, group, primitive)
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -168,7 +158,7 @@ def local_entries(model: nn.Module, group: Any, primitive: str) -> list[_Entry]:
     for name, param in module.named_parameters():
         spec = shard_spec(param)
         if id(param) not in used and ((spec is not None and spec.world_size > 1)
-                                      or _is_dtensor(param)):
+                                      or is_dtensor(param)):
             raise PretrainedError(
                 f"the sharded parameter {name!r} reaches the state dict only through a "
                 "state_dict hook, so its gathered value cannot be known",

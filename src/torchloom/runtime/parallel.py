@@ -72,7 +72,8 @@ def _default_units(model: nn.Module) -> list[str]:
     units = []
     for name in layer_stacks(model):
         stack = model.get_submodule(name) if name else model
-        units += [f"{name}.{i}" if name else str(i) for i in range(len(stack))]
+        if isinstance(stack, (nn.ModuleList, nn.Sequential)):  # what layer_stacks finds
+            units += [f"{name}.{i}" if name else str(i) for i in range(len(stack))]
     return units
 
 

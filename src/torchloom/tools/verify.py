@@ -67,7 +67,7 @@ import copy
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -285,7 +285,7 @@ class Verify:
         self._recipe_start = len(self.sch.recipe)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if not self.enable or exc_type is not None:
             self.reference = None
             return False
@@ -427,9 +427,11 @@ class Verify:
             return
         assert self.reference is not None
         model = self.sch.mod
-        slots = [(m, slot, name, t) for m in model.modules()
-                 for slot in (m._parameters, m._buffers) for name, t in slot.items()
-                 if t is not None]
+        # (module, its _parameters or _buffers dict, name, tensor): put back on exit
+        slots: list[tuple[nn.Module, dict[str, Any], str, torch.Tensor]] = [
+            (m, slot, name, t) for m in model.modules()
+            for slot in (m._parameters, m._buffers) for name, t in slot.items()
+            if t is not None]
         from ..runtime.model_check import check_fits, meta_bytes
 
         check_fits(meta_bytes(self.reference) + meta_bytes(model), self.device,
@@ -452,8 +454,9 @@ class Verify:
         """Copy the reference's tensors into the scheduled tensors that were ``meta`` (by
         name, through ``param_map``; a sharded one takes its slice)."""
         assert self.reference is not None
-        ref = {**dict(self.reference.named_parameters(remove_duplicate=False)),
-               **dict(self.reference.named_buffers(remove_duplicate=False))}
+        ref: dict[str, torch.Tensor] = {
+            **dict(self.reference.named_parameters(remove_duplicate=False)),
+            **dict(self.reference.named_buffers(remove_duplicate=False))}
         with torch.no_grad():
             for m_path, m in model.named_modules(remove_duplicate=False):
                 for slot in (m._parameters, m._buffers):
@@ -579,25 +582,26 @@ class Verify:
                 value = C.all_reduce_raw(value, self.sch.group)  # a sum of per-rank parts
             pairs.append((value, self._local_reference(value, ref.value, record.module, forward)))
         self.stats[phase] = sum(ref is not None for _, ref in pairs)
-        for record, (value, ref), excess in zip(records, pairs, self._errors(pairs)):
+        for record, (value, expected), excess in zip(records, pairs, self._errors(pairs)):
             if excess == excess and excess > 0:  # not nan, beyond tolerance
-                assert ref is not None
+                assert expected is not None  # an incomparable pair's excess is nan
                 raise self._fail(
                     record.path,
                     f"the {phase} differs from the original model's",
                     {"phase": phase, "call": record.call,
-                     "max_abs_error": float((value.double() - ref.double()).abs().max())},
+                     "max_abs_error": float((value.double() - expected.double()).abs().max())},
                 )
 
     def _compare_param_grads(self, model: nn.Module, reference: nn.Module) -> None:
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
-        names, pairs = [], []
+        names: list[str] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for name, param in model.named_parameters():
             ref = ref_params.get(self.param_map.get(name, name))
             if ref is None or param.grad is None or ref.grad is None:
                 continue
             spec = shard_spec(param)
-            expected = ref.grad
+            expected: torch.Tensor = ref.grad
             if spec is not None and tuple(spec.full_shape) == tuple(ref.grad.shape):
                 expected = spec.slice(ref.grad)
             elif expected.shape != param.grad.shape:
@@ -605,12 +609,12 @@ class Verify:
             names.append(name)
             pairs.append((param.grad, expected))
         self.stats["parameter gradient"] = len(pairs)
-        for name, (value, ref), excess in zip(names, pairs, self._errors(pairs)):
-            if excess == excess and excess > 0:
+        for name, (value, grad), excess in zip(names, pairs, self._errors(pairs)):
+            if excess == excess and excess > 0 and grad is not None:
                 path = name.rpartition(".")[0]
                 raise self._fail(
                     path,
                     f"the gradient of parameter {name!r} differs from the original model's",
                     {"phase": "parameter gradient", "parameter": name,
-                     "max_abs_error": float((value.double() - ref.double()).abs().max())},
+                     "max_abs_error": float((value.double() - grad.double()).abs().max())},
                 )
