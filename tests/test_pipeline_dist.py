@@ -1,5 +1,7 @@
-"""Pipelines on two gloo ranks: build(target="pipeline") with GPipe, 1F1B and
-Interleaved1F1B against the single-process model.
+"""Pipelines on two gloo ranks: build(target="pipeline") with every schedule of
+torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble and
+ZBVZeroBubble, whose V puts the first and the last stage on rank 0) against the
+single-process model.
 
 4-layer GPT-2 and Llama cut into stages, 4 micro-batches of a batch of 8: the mean loss
 equals the single-process loss of the whole batch, every local parameter's gradient equals
@@ -63,7 +65,8 @@ def _run(rank: int, make, layers: str, schedule: str, cuts: list[int]) -> None:
     for name, param in local:
         torch.testing.assert_close(param.grad, ref[name].grad, **TOL, msg=f"{what}: {name}")
     opt.step()
-    if layers == "transformer.h":  # the tied embedding and head still agree
+    if layers == "transformer.h" and schedule != "ZBVZeroBubble":
+        # the tied embedding and head still agree (in ZBV's V both are on rank 0)
         holder = {n: p for n, p in local}
         mine = holder.get("transformer.wte.weight", holder.get("lm_head.weight"))
         theirs = [torch.empty_like(mine) for _ in range(2)]
@@ -76,6 +79,8 @@ def _gpt2_schedules(rank: int) -> None:
     _run(rank, make, "transformer.h", "GPipe", [1])
     _run(rank, make, "transformer.h", "1F1B", [1])
     _run(rank, make, "transformer.h", "Interleaved1F1B", [0, 1, 2])
+    _run(rank, make, "transformer.h", "InterleavedZeroBubble", [0, 1, 2])
+    _run(rank, make, "transformer.h", "ZBVZeroBubble", [0, 1, 2])
 
 
 def _llama_schedules(rank: int) -> None:

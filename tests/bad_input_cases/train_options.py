@@ -86,6 +86,15 @@ def option_pipeline_schedule_typo():
     TrainConfig(pp=2, pipeline_schedule="Interleaved", batch_size=8)
 
 
+def option_zbv_with_evaluation():
+    TrainConfig(pp=2, pipeline_schedule="ZBVZeroBubble", n_microbatches=4, batch_size=8,
+                eval_every=2)
+
+
+def option_zbv_with_too_few_micro_batches():
+    TrainConfig(pp=2, pipeline_schedule="ZBVZeroBubble", n_microbatches=2, batch_size=8)
+
+
 def option_ac_with_a_ratio():
     TrainConfig(ac="op", ckpt_ratio=0.5)
 
@@ -215,6 +224,13 @@ CASES: list[tuple[Callable, type, str]] = [
     (option_pipeline_schedule_typo, TrainOptionError,
      r"--pipeline-schedule 'Interleaved': must be one of GPipe, 1F1B, Interleaved1F1B, "
      r"InterleavedZeroBubble, ZBVZeroBubble"),
+    (option_zbv_with_evaluation, TrainOptionError,
+     r"--pipeline-schedule ZBVZeroBubble with --eval-every 2: torch's ZBVZeroBubble cannot run "
+     r"a forward-only \(evaluation\) pass" + _FIX + r"--pipeline-schedule InterleavedZeroBubble "
+     r"\(zero bubble, evaluates\), or leave --eval-every out$"),
+    (option_zbv_with_too_few_micro_batches, TrainOptionError,
+     r"--pp 2 --pipeline-schedule ZBVZeroBubble: ZBVZeroBubble needs at least as many "
+     r"micro-batches as stages \(4\), not 2" + _FIX + r"--pp 2 --n-microbatches 4$"),
     (option_ac_with_a_ratio, TrainOptionError,
      r"--ac op checkpoints every layer and --ckpt-ratio 0\.5 a share of them" + _FIX +
      r"--ac op alone, or --ckpt-ratio 0\.5 alone$"),

@@ -438,6 +438,14 @@ def _check_combinations(c: TrainConfig) -> None:
             fix=f"--ac {c.ac} alone, or --ckpt-ratio {c.ckpt_ratio} alone")
     if c.pp > 1:
         _check_pipeline(c)
+    if c.pp > 1 and c.pipeline_schedule == "ZBVZeroBubble" and c.eval_every:
+        # torch 2.13's ZBVZeroBubble runs its backward actions in eval() too, and fails
+        raise TrainOptionError(
+            f"--pipeline-schedule ZBVZeroBubble with --eval-every {c.eval_every}: torch's "
+            "ZBVZeroBubble cannot run a forward-only (evaluation) pass", primitive=PRIMITIVE,
+            values={"pipeline_schedule": c.pipeline_schedule, "eval_every": c.eval_every},
+            fix="--pipeline-schedule InterleavedZeroBubble (zero bubble, evaluates), or "
+            "leave --eval-every out")
     if c.resume and not c.save_dir:
         raise TrainOptionError(
             "--resume needs the checkpoint directory", primitive=PRIMITIVE,

@@ -476,7 +476,8 @@ class _Run:
             loss = pipe.step(ids, target=ids)
         value = torch.zeros((), device=self.device) if loss is None else loss.detach().clone()
         assert self.pp_group is not None
-        last = dist.get_global_rank(self.pp_group, self.cfg.pp - 1)
+        # the pipeline rank of the last stage (rank 0 in ZBVZeroBubble's V)
+        last = dist.get_global_rank(self.pp_group, self.layout.stage_ranks()[-1])
         with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
             dist.broadcast(value, src=last, group=self.pp_group)
         assert self.built is not None
@@ -512,7 +513,8 @@ class _Run:
         value = (next_token_loss(logits, ids).detach() if logits is not None
                  else torch.zeros((), device=self.device))
         assert self.pp_group is not None
-        last = dist.get_global_rank(self.pp_group, self.cfg.pp - 1)
+        # the pipeline rank of the last stage (rank 0 in ZBVZeroBubble's V)
+        last = dist.get_global_rank(self.pp_group, self.layout.stage_ranks()[-1])
         with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
             dist.broadcast(value, src=last, group=self.pp_group)
         return value

@@ -234,9 +234,9 @@ class Layout:
         >>> Layout(pp=2, pipeline_schedule="ZBVZeroBubble", n_microbatches=4).stage_ranks()
         [0, 1, 1, 0]
         """
-        if self.pipeline_schedule in V_SHAPED:
-            return [k if k < self.pp else 2 * self.pp - 1 - k for k in range(self.stages)]
-        return [k % self.pp for k in range(self.stages)]
+        from ..runtime.pipeline import stage_rank
+
+        return [stage_rank(k, self.pp, self.pipeline_schedule) for k in range(self.stages)]
 
     def describe(self) -> str:
         """A one-line name of the layout (its tokens: :data:`NOTATION`)."""
@@ -343,6 +343,23 @@ class Layout:
                         "micro-batches per step",
                         {"pp": self.pp, "n_microbatches": self.n_microbatches},
                         f"Layout(pp={self.pp}, n_microbatches={self.pp})")
+        steps = self.micro_steps
+        rounds = max(1, steps // self.pp)
+        if self.pp > 1 and self.pipeline_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") \
+                and steps % rounds:
+            # the schedule runs its micro-batches in rounds of pp
+            good = [n for n in range(self.pp, 4 * self.pp + 1) if n % max(1, n // self.pp) == 0]
+            raise _fail(f"{self.pipeline_schedule} runs the micro-batches in "
+                        f"micro-batches // pp = {rounds} rounds, which must divide them: "
+                        f"{steps} micro-batches", {"pp": self.pp, "micro_batches": steps},
+                        f"Layout(n_microbatches={next(n for n in good if n >= steps)}), or "
+                        "any multiple of pp")
+        if self.pp > 1 and self.pipeline_schedule in V_SHAPED and steps < self.stages:
+            # fewer, and torch's ZBVZeroBubble schedules micro-batches that do not exist
+            raise _fail(f"{self.pipeline_schedule} needs at least as many micro-batches as "
+                        f"stages ({self.stages}), not {steps}",
+                        {"pp": self.pp, "stages": self.stages, "micro_batches": steps},
+                        f"Layout(pp={self.pp}, n_microbatches={self.stages})")
         if self.pp == 1 and self.stages_per_rank not in (None, 1):
             raise _fail("stages_per_rank is for a pipeline (pp > 1)",
                         {"pp": 1, "stages_per_rank": self.stages_per_rank},

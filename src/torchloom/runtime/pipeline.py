@@ -101,12 +101,13 @@ def check_schedule(schedule: Any, num_ranks: int, num_stages: int, n_microbatche
 
     compute = {_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD,
                _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT}
-    name = type(schedule).__name__
-    if name in ("ScheduleGPipe", "Schedule1F1B"):
+    kind = type(schedule).__name__  # the class; ``name`` is the schedule's short name
+    order: dict[int, list[Any]] | None
+    if kind in ("ScheduleGPipe", "Schedule1F1B"):
         # One stage per rank: these run their own loop, and torch 2.13's
         # Schedule1F1B.pipeline_order starts the last rank at micro-batch 1; check the order
         # the runtime follows instead.
-        order = _single_stage_order(name == "Schedule1F1B", num_ranks, n_microbatches)
+        order = _single_stage_order(kind == "Schedule1F1B", num_ranks, n_microbatches)
     else:
         order = getattr(schedule, "pipeline_order", None)
     if order is None:
@@ -221,7 +222,7 @@ def _put(dst: nn.Module, name: str, tensor: torch.Tensor, path: str, persistent:
 
 def _check_inside(real: nn.Module, container: nn.Module, path: str) -> None:
     """Every tensor of ``container`` is the same tensor at the same name in ``real``."""
-    mine = dict(real.named_parameters(remove_duplicate=False))
+    mine: dict[str, torch.Tensor] = dict(real.named_parameters(remove_duplicate=False))
     mine.update(real.named_buffers(remove_duplicate=False))
     for name, tensor in [*container.named_parameters(remove_duplicate=False),
                          *container.named_buffers(remove_duplicate=False)]:
@@ -266,8 +267,9 @@ class PipelineModel(nn.Module):
     def __init__(self, stage_modules: list[nn.Module], stages: list[Any], schedule: Any,
                  ties: list[tuple[nn.Parameter, Any]], last: bool, simulated_steps: int, *,
                  split: Stages | None = None, source: nn.Module | None = None,
-                 group: Any = None) -> None:
+                 group: Any = None, n_microbatches: int = 1) -> None:
         super().__init__()
+        self.n_microbatches = n_microbatches
         self.stage_modules = stage_modules
         self.stages = stages
         self.schedule = schedule
@@ -316,6 +318,13 @@ class PipelineModel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Evaluation forward (see the class docstring): the last stage's output on the
         rank holding it, None elsewhere."""
+        if type(self.schedule).__name__ == "ScheduleZBVZeroBubble":
+            raise BuildError(
+                "a ZBVZeroBubble pipeline cannot evaluate: torch's schedule runs its backward "
+                "actions in a forward-only pass too", primitive="build",
+                values={"schedule": "ZBVZeroBubble"},
+                fix="build with schedule='InterleavedZeroBubble' to evaluate, or evaluate "
+                "the gathered model (torchloom.full_state_dict) in one process")
         loss_fn = getattr(self.schedule, "_loss_fn", None)
         try:
             # the runtime computes the loss whenever it has a loss function, and there is
@@ -343,6 +352,12 @@ class PipelineModel(nn.Module):
             self.schedule.step(*inputs, target=target, losses=losses)
         else:
             self.schedule.step(*inputs)
+        # the mean over the micro-batches: each parameter once, also one that two of this
+        # rank's stages share (a tied weight in ZBVZeroBubble's V)
+        n = self.n_microbatches
+        for param in {id(p): p for m in self.stage_modules for p in m.parameters()}.values():
+            if param.grad is not None and n != 1:
+                param.grad.div_(n)
         for param, group in self.ties:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -445,7 +460,12 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     dev = torch.device(device)
     if stage_wrapper is not None:
         for k in mine:
-            split.modules[k] = stage_wrapper(split.modules[k])
+            if stage_wrapper(split.modules[k]) is not split.modules[k]:
+                raise BuildError(
+                    "stage_wrapper returned another module; it must change the stage module "
+                    "in place and return it (as fully_shard does)", primitive="build",
+                    values={"stage": k, "stage_wrapper": repr(stage_wrapper)},
+                    fix="def stage_wrapper(stage): fully_shard(stage, ...); return stage")
     # the shapes and dtypes of what crosses, from the split (the runtime would otherwise
     # infer them by running each stage on uninitialised inputs: integer ids or targets
     # crossing a cut would be garbage there)
@@ -453,8 +473,10 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
     stages = [PipelineStage(split.modules[k], k, num_stages, dev, group=group,
                             input_args=metas[k][0] or None, output_args=metas[k][1] or None)
               for k in mine]
+    # scale_grads=False: PipelineModel.step averages over the micro-batches itself, once
+    # per parameter (torch scales per stage, twice for a weight two local stages share)
     runner = cls(stages if schedule in MULTI_STAGE else stages[0],
-                 n_microbatches=n_microbatches, loss_fn=loss_fn)
+                 n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     simulated = check_schedule(runner, ranks, num_stages, n_microbatches, schedule)
 
     # Parameters held by stages on several ranks: one gradient sum per shared parameter.
@@ -472,4 +494,5 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
             ties.append((split.modules[k].get_parameter(name), tie_group))
     return PipelineModel([split.modules[k] for k in mine], stages, runner, ties,
                          last=(num_stages - 1) in mine, simulated_steps=simulated,
-                         split=split, source=sch.mod, group=group)
+                         split=split, source=sch.mod, group=group,
+                         n_microbatches=n_microbatches)
