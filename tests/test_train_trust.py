@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -94,6 +95,24 @@ def test_allow_config_change_resumes(cli, finished_run, tmp_path):
     assert code == 0, output
     assert re.search(r"step 4 loss \S+ .* trained steps 4\.\.4", output), output
     assert S.list_checkpoints(save_dir)[0].config["steps"] == 4  # the new one is recorded
+
+
+def test_resume_into_another_layout_is_accepted_and_said(cli, tmp_path):
+    """A layout field (here the accumulation micro-steps) may change on --resume without
+    --allow-config-change: the run says what changed, and computes the same step (of a
+    model without dropout: another split of the batch draws other dropout masks)."""
+    save_dir = str(tmp_path / "run")
+    code, whole = cli("--model", "llama", "--save-dir", save_dir)  # llama: no dropout
+    assert code == 0, whole
+    shutil.rmtree(os.path.join(save_dir, "step-3"))  # keep step 2 only
+    code, output = cli("--model", "llama", "--save-dir", save_dir, "--resume",
+                       "--grad-accum", "2")
+    assert code == 0, output
+    assert re.search(r"resumed step 2 from \S+step-2; the layout changed \(grad_accum: 1 -> "
+                     r"2\): the checkpoint was resharded on load", output), output
+    before = float(re.search(r"step 3 loss (\S+)", whole).group(1))
+    after = float(re.search(r"step 3 loss (\S+)", output).group(1))
+    assert abs(before - after) <= 1e-6 * abs(before)
 
 
 def test_a_different_recipe_is_a_difference():

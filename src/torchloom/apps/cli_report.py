@@ -41,6 +41,11 @@ class Reporter:
             self.start(record)
         elif kind == "step":
             self.step(record)
+        elif kind == "resume":
+            changes = record["layout_changes"]
+            self.line(f"resumed step {record['step']} from {record['checkpoint']}" + (
+                f"; the layout changed ({', '.join(changes)}): the checkpoint was resharded "
+                "on load" if changes else ""))
         elif kind == "eval":
             loss = record["eval_loss"]
             ppl = math.exp(loss) if loss < 50 else float("inf")
