@@ -56,26 +56,26 @@ def grid(world: int, models: list[str]) -> list[tuple[str, Layout]]:
             for r in RATIOS:
                 lays += [Layout(tp=2, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
                          Layout(tp=2, sp=True, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
-                         Layout(dp=2, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
-                         Layout(dp=2, dp_mode="fsdp", micro_batch=4, seq_len=SEQ,
+                         Layout(dp_replicate=2, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
+                         Layout(dp_shard=2, micro_batch=4, seq_len=SEQ,
                                 ckpt_ratio=r),
                          Layout(pp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                                 ckpt_ratio=r),
                          Layout(pp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                                 ckpt_ratio=r, pipeline_schedule="GPipe")]
-            lays.append(Layout(dp=2, micro_batch=2, n_microbatches=2, seq_len=SEQ))
-            lays.append(Layout(dp=2, dp_mode="fsdp", micro_batch=2, n_microbatches=2,
+            lays.append(Layout(dp_replicate=2, micro_batch=2, n_microbatches=2, seq_len=SEQ))
+            lays.append(Layout(dp_shard=2, micro_batch=2, n_microbatches=2,
                                seq_len=SEQ))
         if world == 4:
             for r in (0.0, 1.0):
-                lays += [Layout(tp=2, dp=2, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
-                         Layout(tp=2, sp=True, dp=2, dp_mode="fsdp", micro_batch=4,
+                lays += [Layout(tp=2, dp_replicate=2, micro_batch=4, seq_len=SEQ, ckpt_ratio=r),
+                         Layout(tp=2, sp=True, dp_shard=2, micro_batch=4,
                                 seq_len=SEQ, ckpt_ratio=r)]
                 lays += [Layout(tp=2, pp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                                 ckpt_ratio=r),
-                         Layout(pp=2, dp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
+                         Layout(pp=2, dp_replicate=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                                 ckpt_ratio=r)]
-            lays.append(Layout(dp=4, dp_mode="fsdp", micro_batch=4, seq_len=SEQ))
+            lays.append(Layout(dp_shard=4, micro_batch=4, seq_len=SEQ))
         out += [(name, lay) for lay in lays]
     return out
 

@@ -37,19 +37,56 @@ SEQ = 32
     ({"tp": 3, "sp": True, "seq_len": 32}, "do not divide"),
     ({"pp": 2, "n_microbatches": 1}, "at least 2 micro-batches"),
     ({"ckpt_ratio": 1.5}, "between 0 and 1"),
-    ({"dp_mode": "zero3"}, "unknown data-parallel mode"),
-    ({"pp": 2, "dp": 2, "dp_mode": "fsdp", "n_microbatches": 2}, "FSDP2 under a pipeline"),
-    ({"pipeline_schedule": "Interleaved1F1B"}, "models the pipeline schedules"),
+    ({"pipeline_schedule": "ZeroBubble"}, "unknown pipeline schedule 'ZeroBubble'"),
+    ({"pp": 2, "n_microbatches": 2, "pipeline_schedule": "1F1B", "stages_per_rank": 2},
+     "1F1B runs one stage per rank, not 2"),
+    ({"ac": "selective"}, "unknown activation checkpointing 'selective'"),
     ({"optimizer": "lion"}, "unknown optimizer"),
     ({"pp": 2, "n_microbatches": 2, "stage_cuts": (3, 1)}, "stage_cuts lists"),
 ])
 def test_layout_refuses_contradictions(kwargs, pattern):
-    with pytest.raises(PlanError, match=pattern):
+    # torchloom.plan.Layout is torchloom.Layout; its errors are LayoutErrors (PlanErrors)
+    with pytest.raises(tl.LayoutError, match=pattern):
         Layout(**kwargs)
+    assert issubclass(tl.LayoutError, PlanError) and Layout is tl.Layout
+
+
+def test_fsdp_under_a_pipeline_hsdp_and_virtual_stages_are_predicted():
+    base = {"micro_batch": 1, "seq_len": SEQ}
+    spec = model_spec("llama", size="small", seq_len=SEQ)  # 4 layers
+    ddp = predict(spec, Layout(pp=2, dp_replicate=2, n_microbatches=4, **base))
+    fsdp = predict(spec, Layout(pp=2, dp_shard=2, n_microbatches=4, **base))
+    assert len(fsdp.roles) == 2 and fsdp.roles[0].memory.parameters < \
+        ddp.roles[0].memory.parameters
+    got = fsdp.roles[1].collective_bytes()
+    assert got[("reduce_scatter", "dp")] > 0 and ("all_reduce", "dp") not in got
+    hsdp = predict(spec, Layout(dp_replicate=2, dp_shard=2, **base))
+    assert hsdp.roles[0].collective_bytes()[("all_reduce", "dp_replicate")] > 0
+    one = predict(spec, Layout(pp=2, n_microbatches=4, **base))
+    inter = predict(spec, Layout(pp=2, n_microbatches=4,
+                                 pipeline_schedule="Interleaved1F1B", **base))
+    zbv = predict(spec, Layout(pp=2, n_microbatches=4, pipeline_schedule="ZBVZeroBubble",
+                               **base))
+    bubble = [max(r.time.bubble for r in p.roles) for p in (one, inter, zbv)]
+    assert bubble[0] > bubble[1] > bubble[2] >= 0
+    assert [r.layers for r in inter.roles] == [2, 2] and inter.layout.stages == 4
+    big = model_spec("llama", size="small", seq_len=128)
+    full, op, plain = (predict(big, Layout(**kw, micro_batch=8, seq_len=128))
+                       for kw in ({"ac": "full"}, {"ac": "op"}, {}))
+    assert full.peak <= op.peak <= plain.peak and full.peak < plain.peak
+    # op-level selective recomputes no matrix product: the FLOPs of no checkpointing
+    assert op.flops_per_step == plain.flops_per_step < full.flops_per_step
+
+
+def test_planner_and_parallelize_count_the_same_checkpointed_layers():
+    from torchloom.core.rules import checkpointed_count
+
+    assert Layout(ckpt_ratio=0.29).checkpointed(100) == checkpointed_count(0.29, 100) == 29
+    assert Layout(ac="full").checkpointed(7) == 7
 
 
 def test_layout_derived_values():
-    lay = Layout(tp=2, pp=2, dp=3, n_microbatches=4, micro_batch=2, seq_len=64,
+    lay = Layout(tp=2, pp=2, dp_replicate=3, n_microbatches=4, micro_batch=2, seq_len=64,
                  ckpt_ratio=0.5)
     assert (lay.world, lay.batch_size, lay.tokens) == (12, 24, 24 * 64)
     assert lay.stage_layers(6) == [3, 3] and lay.checkpointed(6) == 3
@@ -137,9 +174,9 @@ def test_tensor_parallel_bytes_are_megatrons():
 def test_data_parallel_bytes_are_the_gradients():
     model = zoo.make_model("gpt2")
     grads = sum(p.numel() * 4 for p in model.parameters())
-    ddp = predict("gpt2", Layout(dp=2, micro_batch=2, seq_len=SEQ))
+    ddp = predict("gpt2", Layout(dp_replicate=2, micro_batch=2, seq_len=SEQ))
     assert ddp.roles[0].collective_bytes() == {("all_reduce", "dp"): grads}
-    fsdp = predict("gpt2", Layout(dp=2, dp_mode="fsdp", micro_batch=2, seq_len=SEQ))
+    fsdp = predict("gpt2", Layout(dp_shard=2, micro_batch=2, seq_len=SEQ))
     got = fsdp.roles[0].collective_bytes()
     # FSDP2 gathers every layer twice (forward, backward) and the root once, and
     # reduce-scatters every gradient once (shapes padded to the degree: at least the
@@ -215,13 +252,19 @@ def test_search_prunes_what_cannot_fit_before_measuring():
 
 def test_train_command_or_the_reason():
     spec = model_spec("llama")
-    cmd, why = train_command(spec, Layout(tp=2, dp=2, dp_mode="fsdp", micro_batch=2,
+    cmd, why = train_command(spec, Layout(tp=2, dp_shard=2, micro_batch=2,
                                           mixed_precision="bf16", ckpt_ratio=1.0))
     assert why is None and cmd.startswith("torchrun --nnodes 1 --nproc-per-node 4 -m "
                                           "torchloom train --model llama")
     assert "--dp-mode fsdp" in cmd and "--ckpt-ratio 1" in cmd and "--dtype bf16" in cmd
-    cmd, why = train_command(spec, Layout(pp=2, n_microbatches=2, mixed_precision="bf16"))
-    assert cmd is None and "bf16" in why
+    cmd, why = train_command(spec, Layout(pp=2, dp_replicate=2, dp_shard=2, n_microbatches=2,
+                                          pipeline_schedule="Interleaved1F1B", ac="op",
+                                          mixed_precision="bf16"))
+    assert why is None, why
+    assert "--dp-mode hsdp --dp-replicate 2 --pipeline-schedule Interleaved1F1B" in cmd
+    assert "--ac op" in cmd and "--dtype bf16" in cmd
+    cmd, why = train_command(spec, Layout(pp=2, n_microbatches=2, stage_cuts=(0,)))
+    assert cmd is None and "splits the layers evenly" in why
 
 
 def test_cli_with_degrees_prints_every_stage(tmp_path):
@@ -278,7 +321,10 @@ def test_llama2_70b_on_64_h100s_is_planned_from_its_config(tmp_path):
     data = json.loads(out.read_text())
     fitting = [r for r in data["ranked"] if r["fits"]]
     assert fitting and fitting[0] is data["ranked"][0]
-    speeds = [r["tokens_per_s"] for r in fitting]
+    # ranked: those with the headroom asked for by throughput, then the tight ones
+    roomy = [r for r in fitting if r["headroom"] >= data["min_headroom"]]
+    assert roomy and fitting[:len(roomy)] == roomy
+    speeds = [r["tokens_per_s"] for r in roomy]
     assert speeds == sorted(speeds, reverse=True)
     assert all(r["peak"] <= 80e9 for r in fitting)
     # an independent count, FlopCounterMode's conventions: 6 N FLOPs per token for the

@@ -41,7 +41,7 @@ def test_two_ranks_sequence_parallel():
 @pytest.mark.slow
 def test_two_ranks_fsdp_and_pipeline():
     _validate(2, [
-        ("llama", Layout(dp=2, dp_mode="fsdp", micro_batch=2, n_microbatches=2,
+        ("llama", Layout(dp_shard=2, micro_batch=2, n_microbatches=2,
                          seq_len=SEQ)),
         ("llama", Layout(pp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                          ckpt_ratio=1.0)),
@@ -51,10 +51,10 @@ def test_two_ranks_fsdp_and_pipeline():
 @pytest.mark.slow
 def test_four_ranks_composed_layouts():
     _validate(4, [
-        ("llama", Layout(tp=2, dp=2, micro_batch=2, seq_len=SEQ, ckpt_ratio=0.5)),
+        ("llama", Layout(tp=2, dp_replicate=2, micro_batch=2, seq_len=SEQ, ckpt_ratio=0.5)),
         ("llama", Layout(tp=2, pp=2, n_microbatches=2, micro_batch=2, seq_len=SEQ,
                          pipeline_schedule="GPipe")),
-        ("llama", Layout(pp=2, dp=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
+        ("llama", Layout(pp=2, dp_replicate=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
     ])
 
 

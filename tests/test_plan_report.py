@@ -136,7 +136,7 @@ def test_cli_ranks_layouts_with_headroom_unless_told(tmp_path, monkeypatch):
     assert "#1" not in result.output
     data = json.loads(out.read_text())
     assert data["min_headroom"] == HEADROOM
-    assert data["ranked"][0]["layout"]["dp_mode"] == "fsdp"
+    assert data["ranked"][0]["layout"]["dp_shard"] == 2  # FSDP2
     assert all(0 < r["headroom"] < HEADROOM for r in data["ranked"] if r["fits"])
     assert any(r["headroom"] < 0 and not r["fits"] for r in data["ranked"])
     # --min-headroom 0 ranks it, with the warning
@@ -162,19 +162,24 @@ def test_cli_with_degrees_warns_under_ten_percent(monkeypatch):
 # ---- legend --------------------------------------------------------------------------------
 
 def test_every_token_of_a_layout_name_is_in_the_legend():
-    patterns = {"tpN[+sp]": r"tp\d+(\+sp)?", "ppN(S xM)": r"pp\d+\((GPipe|1F1B) x\d+\)",
-                "accumN": r"accum\d+", "dpN(ddp|fsdp)": r"dp\d+\((ddp|fsdp)\)",
-                "mbN": r"mb\d+", "ckptR": r"ckpt[\d.]+", "P[/C]": r"(fp32|bf16|fp16)(/\w+)?"}
+    schedules = "GPipe|1F1B|Interleaved1F1B|InterleavedZeroBubble|ZBVZeroBubble"
+    patterns = {"tpN[+sp]": r"tp\d+(\+sp)?",
+                "ppN(S xM[ vV])": rf"pp\d+\(({schedules}) x\d+( v\d+)?\)",
+                "accumN": r"accum\d+",
+                "dpN(ddp|fsdp|hsdp RxS)": r"dp\d+\((ddp|fsdp|hsdp \d+x\d+)\)",
+                "mbN": r"mb\d+", "ckptR|acfull|acop": r"(ckpt[\d.]+|acfull|acop)",
+                "P[/C]": r"(fp32|bf16|fp16)(/\w+)?"}
     assert [token for token, _ in NOTATION] == list(patterns)
     text = legend()
     for token, meaning in NOTATION:
         assert token in text and meaning in text
-    for lay in (Layout(tp=2, sp=True, dp=4, dp_mode="fsdp", micro_batch=4, n_microbatches=2,
+    p = list(patterns.values())
+    whole = f"{p[0]}( {p[1]})?( {p[2]})? {p[3]} {p[4]} {p[5]} {p[6]}"
+    for lay in (Layout(tp=2, sp=True, dp_shard=4, micro_batch=4, n_microbatches=2,
                        ckpt_ratio=1.0, mixed_precision="bf16"),
-                Layout(pp=2, n_microbatches=4, ckpt_ratio=0.5, param_dtype="bf16")):
-        p = patterns
-        whole = (f"{p['tpN[+sp]']}( {p['ppN(S xM)']})?( {p['accumN']})? {p['dpN(ddp|fsdp)']} "
-                 f"{p['mbN']} {p['ckptR']} {p['P[/C]']}")
+                Layout(pp=2, n_microbatches=4, ckpt_ratio=0.5, param_dtype="bf16"),
+                Layout(pp=2, n_microbatches=4, pipeline_schedule="Interleaved1F1B",
+                       dp_replicate=2, dp_shard=2, ac="op")):
         assert re.fullmatch(whole, lay.describe()), lay.describe()
     assert re.search(r"MFU .*without recomputation", text)
     assert re.search(r"HFU .*recomputation included", text)

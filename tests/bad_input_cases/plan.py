@@ -3,8 +3,17 @@ model, unknown profiles, dtypes and models, degrees that do not cover the GPUs."
 
 from __future__ import annotations
 
-from torchloom.apps.plan_cli import _degrees
-from torchloom.plan import Layout, PlanError, check_model, get_profile, model_spec, predict
+from torchloom.apps.plan_cli import _degrees, plan_layout
+from torchloom.plan import (
+    Layout,
+    LayoutError,
+    PlanError,
+    check_model,
+    get_profile,
+    model_spec,
+    predict,
+)
+from torchloom.plan.layout import data_parallel
 
 
 def plan_sp_without_tp():
@@ -24,11 +33,12 @@ def plan_ckpt_ratio_out_of_range():
 
 
 def plan_unknown_dp_mode():
-    Layout(dp=2, dp_mode="zero3")
+    data_parallel(2, "zero3")
 
 
-def plan_fsdp_under_a_pipeline():
-    Layout(pp=2, dp=2, dp_mode="fsdp", n_microbatches=2)
+def plan_hsdp_replicas_do_not_divide():
+    plan_layout(model_spec("gpt2"), tp=1, pp=1, dp=4, dp_mode="hsdp", dp_replicate=3,
+                micro_steps=1)
 
 
 def plan_unknown_schedule():
@@ -83,17 +93,19 @@ CASES = [
     (plan_pipeline_without_enough_microbatches, PlanError, r"a pipeline of 4 stages needs at "
      r"least 4 micro-batches.*Layout\(pp=4, n_microbatches=4\)"),
     (plan_ckpt_ratio_out_of_range, PlanError, r"ckpt_ratio must be a number between 0 and 1"),
-    (plan_unknown_dp_mode, PlanError, r"unknown data-parallel mode 'zero3'"),
-    (plan_fsdp_under_a_pipeline, PlanError, r"FSDP2 under a pipeline is not modelled.*"
-     r"fix: Layout\(dp_mode='ddp'\) with pp > 1"),
-    (plan_unknown_schedule, PlanError, r"models the pipeline schedules GPipe, 1F1B, not "
-     r"'ZeroBubble'"),
-    (plan_unknown_mixed_precision, PlanError, r"mixed_precision is the compute dtype of "
-     r"autocast, 'bf16' or 'fp16', not 'fp8'"),
+    (plan_unknown_dp_mode, LayoutError, r"unknown data-parallel mode 'zero3'.*"
+     r"fix: --dp-mode ddp or --dp-mode fsdp"),
+    (plan_hsdp_replicas_do_not_divide, PlanError, r"HSDP splits the 4 data-parallel ranks "
+     r"into --dp-replicate replica groups of two or more FSDP2 shards, and --dp-replicate 3 "
+     r"does not.*fix: --dp-replicate R with R dividing 4"),
+    (plan_unknown_schedule, LayoutError, r"unknown pipeline schedule 'ZeroBubble'.*"
+     r"fix: Layout\(pipeline_schedule='1F1B'\)"),
+    (plan_unknown_mixed_precision, LayoutError, r"mixed_precision is a dtype of fp32, bf16, "
+     r"fp16 \(or None\), not 'fp8'"),
     (plan_bad_stage_cuts, PlanError, r"stage_cuts lists the 2 layer\(s\) after which a stage "
      r"ends"),
-    (plan_layers_do_not_split, PlanError, r"2 layers do not split evenly into 3 stages.*"
-     r"pp in \[1, 2\]"),
+    (plan_layers_do_not_split, LayoutError, r"2 layers do not split evenly into 3 stages.*"
+     r"pp x stages_per_rank in \[1, 2\]"),
     (plan_heads_do_not_divide, PlanError, r"whole attention heads, and 2 heads do not divide"
      r".*tp in \[1, 2\]"),
     (plan_unknown_profile, PlanError, r"unknown device profile 'b200'.*--gpu h100-80gb"),

@@ -2,7 +2,10 @@
 before renting the GPUs.
 
 * With the degrees given (``--tp``, ``--pp``, ``--dp``; one may be left out and is
-  derived from ``--gpus``): a table per pipeline stage of memory by kind (parameters,
+  derived from ``--gpus``; ``--dp-mode ddp|fsdp|hsdp`` with ``--dp-replicate R`` for
+  HSDP; ``--pipeline-schedule`` any of GPipe, 1F1B, Interleaved1F1B,
+  InterleavedZeroBubble, ZBVZeroBubble with ``--stages-per-rank``; ``--ckpt-ratio`` or
+  ``--ac full|op``): a table per pipeline rank of memory by kind (parameters,
   gradients, optimizer state, runtime buffers, activations, peak) and whether it fits,
   and of time by kind (compute, exposed communication, bubble, optimizer), then the
   collectives of a step.
@@ -12,7 +15,7 @@ before renting the GPUs.
   that layout today).
 
 Both print a legend of the layout notation (``tp2+sp dp4(fsdp) mb4 ckpt1 fp32/bf16``:
-:data:`torchloom.plan.layout.NOTATION`) and of the figures, warn about a layout that
+:data:`torchloom.parallel.layout.NOTATION`) and of the figures, warn about a layout that
 leaves under 10% of the usable memory free, and report model FLOPs utilisation (MFU: the
 step's FLOPs without recomputation) beside hardware FLOPs utilisation (HFU: the FLOPs
 executed, checkpointed layers' recomputation included).
@@ -44,7 +47,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.errors import PlanError
-from ..plan.layout import NOTATION, Layout
+from ..plan.layout import NOTATION, Layout, data_parallel
 from ..plan.predict import HEADROOM, Prediction, predict
 from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
 from ..plan.search import SearchResult, search
@@ -52,7 +55,7 @@ from ..plan.spec import ModelSpec, code_spec, model_spec
 from .cli_errors import clean_errors
 
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
-           "plot_roles", "legend", "headroom_warning"]
+           "plot_roles", "legend", "headroom_warning", "layout_code", "plan_layout"]
 
 GIB = 2**30
 _DTYPES = {  # --dtype -> (param dtype, mixed precision)
@@ -82,7 +85,8 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     """The ``torchloom train`` command of ``layout`` (``torchrun`` for several ranks), or
     None and why ``torchloom train`` refuses the layout today.
 
-    >>> cmd, why = train_command(model_spec("llama"), Layout(tp=2, dp=2, micro_batch=2))
+    >>> cmd, why = train_command(model_spec("llama"), Layout(tp=2, dp_replicate=2,
+    ...                                                      micro_batch=2))
     >>> cmd.split(" -m ")[1]
     'torchloom train --model llama --size tiny --batch-size 4 --seq-len 128 --tp 2 --dp 2 --dp-mode ddp --device cuda'
     """
@@ -93,22 +97,28 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     if layout.param_dtype != "fp32":
         return None, f"torchloom train keeps fp32 weights (--dtype fp32 or bf16), not " \
                      f"{layout.param_dtype}"
-    if layout.mixed_precision not in (None, "bf16"):
+    if layout.mixed_precision not in (None, "fp32", "bf16"):
         return None, f"torchloom train has no {layout.mixed_precision} autocast"
     if layout.stage_cuts is not None:
         return None, "torchloom train splits the layers evenly"
+    bf16 = layout.mixed_precision == "bf16"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
                               "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
                               "pp": layout.pp, "dp_mode": layout.dp_mode,
-                              "dtype": "bf16" if layout.mixed_precision else "fp32",
+                              "dtype": "bf16" if bf16 else "fp32",
                               "sequence_parallel": layout.sp,
-                              "ckpt_ratio": float(layout.ckpt_ratio), "device": device}
+                              "ckpt_ratio": float(layout.ckpt_ratio), "ac": layout.ac,
+                              "device": device}
+    if layout.dp_mode == "hsdp":
+        fields["dp_replicate"] = layout.dp_replicate
     if spec.size is not None:
         fields["size"] = spec.size
     if layout.pp > 1:
-        fields["n_microbatches"] = layout.n_microbatches
+        fields.update(n_microbatches=layout.n_microbatches, grad_accum=layout.grad_accum,
+                      pipeline_schedule=layout.pipeline_schedule,
+                      stages_per_rank=layout.stages_per_rank)
     else:
-        fields["grad_accum"] = layout.n_microbatches
+        fields["grad_accum"] = layout.micro_steps
     try:
         TrainConfig(**fields)
     except TrainOptionError as err:
@@ -122,15 +132,25 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
             flags += [f"--{name}", str(getattr(layout, name))]
     if layout.dp > 1:
         flags += ["--dp-mode", layout.dp_mode]
+    if layout.dp_mode == "hsdp":
+        flags += ["--dp-replicate", str(layout.dp_replicate)]
     if layout.pp > 1:
+        if layout.pipeline_schedule != "1F1B":
+            flags += ["--pipeline-schedule", layout.pipeline_schedule]
+        if layout.stages_per_rank is not None:
+            flags += ["--stages-per-rank", str(layout.stages_per_rank)]
         flags += ["--n-microbatches", str(layout.n_microbatches)]
-    elif layout.n_microbatches > 1:
-        flags += ["--grad-accum", str(layout.n_microbatches)]
+        if layout.grad_accum > 1:
+            flags += ["--grad-accum", str(layout.grad_accum)]
+    elif layout.micro_steps > 1:
+        flags += ["--grad-accum", str(layout.micro_steps)]
     if layout.sp:
         flags.append("--sp")
-    if layout.ckpt_ratio:
+    if layout.ac:
+        flags += ["--ac", layout.ac]
+    elif layout.ckpt_ratio:
         flags += ["--ckpt-ratio", f"{layout.ckpt_ratio:g}"]
-    if layout.mixed_precision:
+    if bf16:
         flags += ["--dtype", "bf16"]
     flags += ["--device", device]
     world = layout.world
@@ -140,24 +160,27 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     return f"{launch} -m torchloom train {shlex.join(flags)}", None
 
 
+def layout_code(layout: Layout) -> str:
+    """The layout as the Python that makes it (the fields that differ from the defaults).
+
+    >>> layout_code(Layout(dp_shard=8, tp=8, pp=8, n_microbatches=8,
+    ...                    pipeline_schedule="Interleaved1F1B"))
+    "Layout(dp_shard=8, tp=8, pp=8, pipeline_schedule='Interleaved1F1B', n_microbatches=8)"
+    """
+    import dataclasses
+
+    args = [f"{f.name}={getattr(layout, f.name)!r}" for f in dataclasses.fields(layout)
+            if getattr(layout, f.name) != f.default]
+    return f"Layout({', '.join(args)})"
+
+
 def schedule_text(layout: Layout) -> str:
-    """The schedule of a layout as Python (the built-in schedule's knobs and the build)."""
-    knobs = []
-    if layout.tp > 1:
-        knobs.append("tp=True")
-    if layout.sp:
-        knobs.append("sequence_parallel=True")
-    if layout.ckpt_ratio:
-        knobs.append(f"ckpt_ratio={layout.ckpt_ratio:g}")
-    lines = [f"schedules.apply_schedule(sch{''.join(', ' + k for k in knobs)})"]
-    if layout.pp > 1:
-        lines.append(f"# cut {layout.pp - 1} stage(s) after trace_until, then")
-        lines.append(f"tl.build(sch, target='pipeline', schedule={layout.pipeline_schedule!r}, "
-                     f"n_microbatches={layout.n_microbatches}, mesh=mesh, ...)")
-    elif layout.dp > 1:
-        lines.append(f"tl.build(sch, target={layout.dp_mode!r}, mesh=mesh)")
-    else:
-        lines.append("tl.build(sch)")
+    """How the layout is built, as Python: :func:`torchloom.parallelize` of the model's
+    schedule on the layout's mesh (what ``torchloom train`` runs)."""
+    lines = [f"layout = tl.{layout_code(layout)}",
+             "mesh = tl.parallel.init_mesh(layout)",
+             "done = tl.parallelize(tl.parallel.create_schedule(model, mesh), layout, "
+             "mesh=mesh" + (", example_inputs=..., loss_fn=..." if layout.pp > 1 else "") + ")"]
     return "\n".join(lines)
 
 
@@ -346,6 +369,37 @@ def _degrees(gpus: int, tp: int | None, pp: int | None, dp: int | None
     return (tp or rest, pp or rest, dp or rest)
 
 
+def plan_layout(spec: ModelSpec, *, tp: int, pp: int, dp: int, dp_mode: str | None,
+                dp_replicate: int | None, micro_steps: int, **fields: Any) -> Layout:
+    """The layout of the command line's degrees: ``--dp N --dp-mode ddp|fsdp`` (or
+    ``hsdp`` with ``--dp-replicate R``) as the two data-parallel fields, the micro-steps
+    as the pipeline's micro-batches (``pp > 1``) or gradient accumulation; the stage cuts
+    of an uneven split when the layers do not divide into the stages (the even split
+    :func:`~torchloom.core.rules.even_cuts` gives)."""
+    if dp_replicate is not None or dp_mode == "hsdp":
+        if dp_replicate is None or dp % dp_replicate or dp // dp_replicate < 2:
+            raise PlanError(f"HSDP splits the {dp} data-parallel ranks into --dp-replicate "
+                            f"replica groups of two or more FSDP2 shards, and "
+                            f"--dp-replicate {dp_replicate} does not",
+                            primitive="torchloom plan",
+                            values={"dp": dp, "dp_replicate": dp_replicate},
+                            fix=f"--dp-replicate R with R dividing {dp} and {dp} / R >= 2, "
+                            "e.g. --dp-replicate 2" if dp % 2 == 0 and dp >= 4 else
+                            "--dp-mode fsdp, or a --dp of four or more")
+        data: dict[str, Any] = {"dp_replicate": dp_replicate, "dp_shard": dp // dp_replicate}
+    else:
+        data = dict(data_parallel(dp, dp_mode or "ddp"))
+    steps: dict[str, Any] = ({"n_microbatches": micro_steps} if pp > 1
+                             else {"grad_accum": micro_steps})
+    if pp == 1:
+        fields["stages_per_rank"] = None  # a schedule's stages are for a pipeline
+    layout = Layout(tp=tp, pp=pp, **data, **steps, **fields)
+    layers = spec.num_layers
+    if layout.stages > 1 and layers % layout.stages and layers >= layout.stages:
+        layout = layout.replace(stage_cuts=tuple(layout.cuts(layers)))
+    return layout
+
+
 def plan_command(
     model: str = typer.Argument(..., help="A zoo model (gpt2, llama, opt, bert), a config.json "
                                 "or a folder with one (e.g. a Llama-2-70B config), or "
@@ -361,16 +415,26 @@ def plan_command(
     tp: int = typer.Option(None, min=1, help="Tensor-parallel degree."),
     pp: int = typer.Option(None, min=1, help="Pipeline stages."),
     dp: int = typer.Option(None, min=1, help="Data-parallel degree."),
-    dp_mode: str = typer.Option(None, help="ddp or fsdp (default: both searched; ddp with "
-                                "degrees given)."),
+    dp_mode: str = typer.Option(None, help="ddp, fsdp or hsdp (default: ddp and fsdp "
+                                "searched; ddp with degrees given)."),
+    dp_replicate: int = typer.Option(None, "--dp-replicate", min=2, help="HSDP: the replica "
+                                     "groups of the --dp ranks (each of --dp / R FSDP2 "
+                                     "shards); implies --dp-mode hsdp."),
     sp: bool = typer.Option(None, "--sp/--no-sp", help="Sequence parallelism (default: on "
                             "with tensor parallelism)."),
     ckpt_ratio: float = typer.Option(None, min=0.0, max=1.0, help="Checkpointed share of the "
                                      "layers (default: 0, 0.5 and 1 searched; 0 with degrees)."),
+    ac: str = typer.Option(None, "--ac", help="Activation checkpointing of every layer: full "
+                           "(recompute all) or op (op-level selective: matrix products and "
+                           "attention kept); instead of --ckpt-ratio."),
     micro_batch: int = typer.Option(None, min=1, help="Sequences per micro-batch (default: "
                                     "1, 2, 4, 8 searched; the largest that divides the local "
                                     "batch up to 8 with degrees)."),
-    pipeline_schedule: str = typer.Option("1F1B", help="GPipe or 1F1B."),
+    pipeline_schedule: str = typer.Option("1F1B", help="GPipe, 1F1B, Interleaved1F1B, "
+                                          "InterleavedZeroBubble or ZBVZeroBubble."),
+    stages_per_rank: int = typer.Option(None, "--stages-per-rank", min=1, help="Stages per "
+                                        "pipeline rank (default 2 for the interleaved and "
+                                        "zero-bubble schedules, else 1)."),
     dtype: str = typer.Option(None, help="fp32; bf16 or fp16 (fp32 weights, autocast); "
                               "bf16-params (everything bf16). Default: bf16 where the device "
                               "has it, else fp16 (fp32 on a CPU)."),
@@ -435,10 +499,16 @@ def plan_command(
                             f"micro-batches of {mb}", primitive="torchloom plan",
                             values={"local_batch": local, "micro_batch": mb},
                             fix="a --micro-batch dividing the batch per data-parallel rank")
-        layout = Layout(tp=t, pp=p_, dp=d, sp=t > 1 if sp is None else sp,
-                        dp_mode=dp_mode or "ddp", pipeline_schedule=pipeline_schedule,
-                        n_microbatches=local // mb, micro_batch=mb, seq_len=seq_len,
-                        ckpt_ratio=ckpt_ratio or 0.0, **common)
+        layout = plan_layout(spec, tp=t, pp=p_, dp=d, dp_mode=dp_mode,
+                             dp_replicate=dp_replicate, sp=t > 1 if sp is None else sp,
+                             pipeline_schedule=pipeline_schedule,
+                             stages_per_rank=stages_per_rank, micro_steps=local // mb,
+                             micro_batch=mb, seq_len=seq_len, ckpt_ratio=ckpt_ratio or 0.0,
+                             ac=ac, **common)
+        if layout.stage_cuts is not None:
+            console.print(f"note: {spec.num_layers} layers do not split evenly into "
+                          f"{layout.stages} stages: cut after layers {list(layout.stage_cuts)}"
+                          " (Layout(stage_cuts=...); torchloom train splits evenly)")
         with console.status("measuring the pieces of a step on fake tensors..."):
             pred = predict(spec, layout, profile)
         console.print(_roles_table(pred))
@@ -467,7 +537,9 @@ def plan_command(
         )
 
         space: dict[str, Any] = dict(common, tp=tp, pp=pp, dp=dp, dp_mode=dp_mode, sp=sp,
-                                     pipeline_schedule=pipeline_schedule)
+                                     dp_replicate=dp_replicate, ac=ac,
+                                     pipeline_schedule=pipeline_schedule,
+                                     stages_per_rank=stages_per_rank)
         if ckpt_ratio is not None:
             space["ckpt_ratios"] = (ckpt_ratio,)
         if micro_batch is not None:

@@ -27,7 +27,7 @@ Exit status: 0 when a candidate fits, 1 when none does, 2 on bad input, 130 on C
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,8 @@ def default_ratios(model: str, size: str = "tiny") -> list[float]:
     with fake_mode():
         built = zoo.make_model(model, size)
         path = zoo.layer_paths(model)[0]
-        count = len(built.get_submodule(path))
+        stack: Any = built.get_submodule(path)
+        count = len(stack)
     return [i / count for i in range(count + 1)]
 
 
@@ -245,7 +246,7 @@ def _tune(model: str, budget_gb: float, strategy_name: str, db: str, plot: str |
     def make_model() -> Any:
         return zoo.make_model(model, size, seed=seed)
 
-    def make_inputs(built: Any, point: Point) -> dict[str, Any]:
+    def make_inputs(built: Any, point: Mapping[str, Any]) -> dict[str, Any]:
         return zoo.example_inputs(model, built, batch_size=point["batch_size"],
                                   seq_len=seq_len, seed=seed)
 

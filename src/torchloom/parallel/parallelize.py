@@ -65,7 +65,7 @@ from ..schedules._common import node_at
 from .layout import Layout
 from .mesh import PIECES
 
-__all__ = ["Parallelized", "create_schedule", "parallelize"]
+__all__ = ["Parallelized", "create_schedule", "mp_policy", "parallelize"]
 
 _PRIMITIVE = "parallelize"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -222,7 +222,10 @@ def _items(sch: Schedule, stack: str) -> list[tuple[str, Schedule]]:
     return [(node.path, node) for node in sch[stack].child.values()]
 
 
-def _mp_policy(layout: Layout) -> Any:
+def mp_policy(layout: Layout) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` of ``layout``: parameters all-gathered in the
+    compute dtype (``mixed_precision``) when it differs from ``param_dtype``, gradients
+    reduced in ``reduce_dtype`` (default: ``param_dtype`` under mixed precision)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     param = layout.mixed_precision if layout.mixed_precision != layout.param_dtype else None
@@ -299,7 +302,7 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         done.groups["data"] = PIECES["data"]
     elif layout.dp_replicate > 1:
         done.groups["data"] = PIECES["data"]
-    policy = _mp_policy(layout) if layout.dp_shard > 1 else None
+    policy = mp_policy(layout) if layout.dp_shard > 1 else None
     if layout.pp > 1:
         wrapper = None
         if layout.dp_shard > 1:

@@ -5,7 +5,32 @@ pieces.
 embedding part, a checkpointed and a plain layer, the head, each forward and backward, on
 fake tensors as rank 0 of a fake process group of the layout's tensor-parallel and FSDP
 degrees) and composes, for one representative rank of every distinct role (each
-pipeline stage; the tensor- and data-parallel ranks of a stage are alike):
+pipeline rank, with the one or several stages it holds; the tensor- and data-parallel
+ranks of a pipeline rank are alike).
+
+What the composition models beyond the measured pieces:
+
+* **pipelines** of every schedule (:mod:`torchloom.plan.pipeline`: the order of each
+  rank's forwards and backwards, with virtual stages for the interleaved and zero-bubble
+  schedules, the V placement of ZBVZeroBubble, and the bubble);
+* **FSDP2 under a pipeline** (each stage's parameters, gradients and optimizer state
+  sharded over ``dp_shard``): as ``torch.distributed.pipelining`` runs it, the forwards
+  before a stage's first backward all-gather each layer and free it, the first backward
+  leaves the stage's parameters unsharded and its gradients accumulate unsharded until
+  the step's end, when each layer's gradient is reduce-scattered once;
+* **HSDP** (``dp_replicate`` x ``dp_shard``): measured as FSDP2 over the 2-D mesh, the
+  gradient all-reduce across the replicas (``dp_replicate``) included;
+* **activation checkpointing**: the first ``ckpt_ratio`` of the layers (the rule
+  :func:`~torchloom.core.rules.checkpointed_count`, as the ``checkpoint`` primitive
+  wraps them), every layer under ``ac="full"``; ``ac="op"`` (op-level selective: matrix
+  products and attention saved, the element-wise operators recomputed) is modelled
+  between a plain and a checkpointed layer: a layer keeps :data:`OP_SAVED` of what a
+  plain layer saves beyond a checkpointed one, executes a plain layer's FLOPs (no matrix
+  product is recomputed) and spends :data:`OP_RECOMPUTE` of a checkpointed layer's
+  extra backward time recomputing the element-wise operators;
+* **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
+  (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
+  schedule step as :func:`torchloom.parallelize` builds it.
 
 What each of memory, FLOPs, collectives and time is made of, and why a 70 B model costs
 what its first four layers cost to measure: docs/design/plan_predict.md.
@@ -26,11 +51,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .layout import OPTIMIZERS, Layout, check_model
+from .pipeline import bubble_share, order
 from .profiles import Profile, get_profile
+from .results import CollectiveTotal, Memory, Prediction, RolePrediction, Time
 from .spec import ModelSpec, model_spec
 from .units import (
     Crossing,
@@ -92,177 +119,6 @@ def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) ->
     return _CROSSINGS[k]
 
 
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes one rank holds.
-
-    Attributes:
-        parameters, gradients, optimizer: the model's state as this rank holds it.
-        buffers: what the runtime keeps besides: DDP's gradient buckets, a pipeline's
-            receive buffers and the gradients left on them, its last stage's outputs, the
-            model's buffers.
-        inputs: the step's token ids.
-        activations: the rest at the peak: saved activations, recomputation,
-            temporaries, unsharded FSDP2 parameters (``peak`` minus the others).
-        peak: the most the rank holds at once during a step (what must fit).
-    """
-
-    parameters: int
-    gradients: int
-    optimizer: int
-    buffers: int
-    inputs: int
-    activations: int
-    peak: int
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class Time:
-    """Seconds of one step on one rank.
-
-    Attributes:
-        compute: its own forward and backward work (roofline).
-        communication: collectives not hidden behind compute (tensor-parallel syncs,
-            pipeline sends, data-parallel reductions that outlast the backward).
-        bubble: waiting for other pipeline stages.
-        optimizer: the optimizer step.
-        step: the step as the slowest rank sets it (the same for every rank).
-    """
-
-    compute: float
-    communication: float
-    bubble: float
-    optimizer: float
-    step: float
-
-    def to_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class CollectiveTotal:
-    """Every collective of one kind over one mesh dimension in a step, on one rank."""
-
-    kind: str
-    group: str
-    count: int
-    bytes: int
-    seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class RolePrediction:
-    """One pipeline stage (every rank of it is alike).
-
-    ``flops``: the FLOPs one rank of the stage executes in a step (checkpointed layers'
-    recomputation included); ``model_flops``: the same step's FLOPs without
-    recomputation (what :attr:`Prediction.mfu` counts).
-    """
-
-    stage: int
-    ranks: int
-    layers: int
-    memory: Memory
-    flops: int
-    collectives: tuple[CollectiveTotal, ...]
-    time: Time
-    fits: bool
-    model_flops: int = 0
-
-    def collective_bytes(self) -> dict[tuple[str, str], int]:
-        """Bytes per (kind, mesh dimension)."""
-        out: dict[tuple[str, str], int] = {}
-        for c in self.collectives:
-            out[(c.kind, c.group)] = out.get((c.kind, c.group), 0) + c.bytes
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "ranks": self.ranks, "layers": self.layers,
-                "memory": self.memory.to_dict(), "flops": self.flops,
-                "model_flops": self.model_flops,
-                "collectives": [c.to_dict() for c in self.collectives],
-                "time": self.time.to_dict(), "fits": self.fits}
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What a layout costs: per role, and for the step.
-
-    ``flops_per_step``: the FLOPs the whole job executes in a step, as FlopCounterMode
-    counts them, checkpointed layers' recomputation included (hardware FLOPs, for
-    :attr:`hfu`); ``model_flops_per_step``: the same step without recomputation (model
-    FLOPs, for :attr:`mfu`): 6 N per token for the N parameters that take part in matmuls
-    (a forward and two backward products each), plus attention's score and value
-    products. Without checkpointing the two are equal.
-    """
-
-    model: str
-    layout: Layout
-    profile: Profile
-    roles: tuple[RolePrediction, ...]
-    step_time: float
-    flops_per_step: int
-    notes: tuple[str, ...] = field(default=())
-    model_flops_per_step: int = 0
-
-    @property
-    def fits(self) -> bool:
-        """Whether every rank's peak fits the profile's memory budget."""
-        return all(r.fits for r in self.roles)
-
-    @property
-    def peak(self) -> int:
-        """The largest per-rank peak."""
-        return max(r.memory.peak for r in self.roles)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Training throughput of the whole job."""
-        return self.layout.tokens / self.step_time if self.step_time > 0 else 0.0
-
-    @property
-    def headroom(self) -> float:
-        """The share of the profile's usable memory left free at the largest per-rank
-        peak: ``1 - peak / budget`` (negative when the layout does not fit)."""
-        return 1.0 - self.peak / self.profile.budget
-
-    def _utilisation(self, flops: int) -> float:
-        peak = self.profile.flops.get(self.layout.compute_dtype, 0.0) * self.layout.world
-        return flops / (self.step_time * peak) if peak and self.step_time else 0.0
-
-    @property
-    def mfu(self) -> float:
-        """Model FLOPs utilisation: model FLOPs (:attr:`model_flops_per_step`, no
-        recomputation) over step time times the world's peak in the compute dtype."""
-        return self._utilisation(self.model_flops_per_step)
-
-    @property
-    def hfu(self) -> float:
-        """Hardware FLOPs utilisation: the FLOPs executed (:attr:`flops_per_step`,
-        recomputation included) over step time times the world's peak in the compute
-        dtype; at least :attr:`mfu`."""
-        return self._utilisation(self.flops_per_step)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "layout": self.layout.to_dict(),
-                "profile": self.profile.name, "fits": self.fits, "peak": self.peak,
-                "budget": self.profile.budget, "headroom": self.headroom,
-                "step_time": self.step_time, "tokens_per_s": self.tokens_per_s,
-                "flops_per_step": self.flops_per_step,
-                "model_flops_per_step": self.model_flops_per_step, "mfu": self.mfu,
-                "hfu": self.hfu,
-                "roles": [r.to_dict() for r in self.roles], "notes": list(self.notes)}
-
-
 # --------------------------------------------------------------------------- pieces
 
 
@@ -314,12 +170,35 @@ def _adjusted(base: _Piece, plus: _Piece, minus: _Piece) -> _Piece:
                   base.largest)
 
 
+
+OP_SAVED = 0.5
+"""``ac="op"``: the share of what a plain layer saves for its backward beyond a
+checkpointed layer that an op-level selective layer keeps (the outputs of its matrix
+products and attention; an approximation, not measured)."""
+OP_RECOMPUTE = 0.2
+"""``ac="op"``: the share of a checkpointed layer's extra backward time (its forward's
+recomputation) an op-level selective layer spends recomputing the element-wise
+operators (an approximation, not measured)."""
+
+
+def _between(plain: _Piece, ckpt: _Piece) -> _Piece:
+    """An op-level selective layer's piece between a plain and a checkpointed one (see
+    :data:`OP_SAVED`, :data:`OP_RECOMPUTE`)."""
+    return _Piece(round(ckpt.delta + OP_SAVED * (plain.delta - ckpt.delta)),
+                  max(0, round(ckpt.rise + OP_SAVED * (plain.rise - ckpt.rise))),
+                  plain.flops,
+                  plain.seconds + OP_RECOMPUTE * max(0.0, ckpt.seconds - plain.seconds),
+                  Counter(plain.comm), plain.grads, plain.largest)
+
+
 class _Layers:
     """The forward and backward piece of every layer of the model (by global index): a
-    checkpointed or a plain layer's, with the first layer's position effect (measured on a
-    checkpointed one) moved onto a plain one when layer 0 is plain."""
+    checkpointed, an op-level selective or a plain layer's, with the first layer's
+    position effect (measured on a checkpointed one) moved onto another kind when layer 0
+    is not checkpointed."""
 
-    def __init__(self, units: Units, profile: Profile, num_layers: int, n_ckpt: int) -> None:
+    def __init__(self, units: Units, profile: Profile, num_layers: int, n_ckpt: int,
+                 ac: str | None = None) -> None:
         seg = units.segments
         grads = units.grads["L2"]
         f = {n: _piece(seg[f"{n}.f"], profile) for n in ("L0", "L1", "L2")}
@@ -331,6 +210,12 @@ class _Layers:
         plain = f["L2"].flops + b["L2"].flops
         self.model = [plain + (f["L0"].flops + b["L0"].flops - f["L1"].flops - b["L1"].flops
                                if j == 0 else 0) for j in range(num_layers)]
+        if ac == "op":  # every layer op-level selective
+            fo, bo = _between(f["L2"], f["L1"]), _between(b["L2"], b["L1"])
+            for j in range(num_layers):
+                self.fwd.append(_adjusted(fo, f["L0"], f["L1"]) if j == 0 else fo)
+                self.bwd.append(_adjusted(bo, b["L0"], b["L1"]) if j == 0 else bo)
+            return
         for j in range(num_layers):
             if j < n_ckpt:
                 fw, bw = (f["L0"], b["L0"]) if j == 0 else (f["L1"], b["L1"])
@@ -362,25 +247,6 @@ class _Walk:
         self.peak = max(self.peak, self.live)
 
 
-def _order(schedule: str, stage: int, stages: int, n: int) -> list[tuple[str, int]]:
-    """The forward ("F") / backward ("B") order of ``stage``'s micro-batches, as
-    torch.distributed.pipelining runs it (1F1B: ``stages - stage`` warm-up forwards)."""
-    if stages == 1 or schedule == "GPipe":
-        if stages == 1:
-            return [x for m in range(n) for x in (("F", m), ("B", m))]
-        return [("F", m) for m in range(n)] + [("B", m) for m in range(n)]
-    warmup = min(n, stages - stage)
-    order = [("F", m) for m in range(warmup)]
-    f, b = warmup, 0
-    while b < n:
-        order.append(("B", b))
-        b += 1
-        if f < n:
-            order.append(("F", f))
-            f += 1
-    return order
-
-
 def _ring(kind: str, size: int, nbytes: int, link: float) -> float:
     if size <= 1 or link == float("inf"):
         return 0.0
@@ -401,17 +267,20 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
     every depth.
 
     Raises:
-        PlanError: a layout the model cannot take, a dtype the profile lacks, a model the
-            planner does not support.
+        PlanError: a layout the model cannot take (a
+            :class:`~torchloom.core.errors.LayoutError` for the stage split), a dtype the
+            profile lacks, a model the planner does not support.
     """
     spec = model_spec(model, size=size, seq_len=layout.seq_len)
     prof = get_profile(profile)
     check_model(layout, spec)
     prof.peak_flops(layout.compute_dtype)  # refuse a dtype the device cannot compute in
-    fsdp = layout.dp if layout.dp_mode == "fsdp" and layout.dp > 1 else 1
+    mixed = layout.mixed_precision if layout.mixed_precision != layout.param_dtype else None
     key = UnitKey(layout.tp, layout.sp, layout.micro_batch, layout.seq_len,
-                  layout.param_dtype, layout.mixed_precision, fsdp,
-                  "model" if layout.pp == 1 else "next_token")
+                  layout.param_dtype, mixed, layout.dp_shard,
+                  "model" if layout.pp == 1 else "next_token",
+                  layout.dp_replicate if layout.dp_shard > 1 else 1,
+                  layout.reduce_dtype if layout.dp_shard > 1 else None)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -432,7 +301,7 @@ def _fold(pieces: list[_Piece], grads_exist: bool) -> _Piece:
 
 @dataclass
 class _Role:
-    """What composing one stage gives, before the step time is known."""
+    """What composing one pipeline rank gives, before the step time is known."""
 
     stage: int
     layers: int
@@ -447,10 +316,17 @@ class _Role:
     optimizer: float
 
 
+_DP_GROUPS = frozenset({"dp", "dp_replicate"})
+
+
 def _collectives(comm: Counter, layout: Layout, profile: Profile
                  ) -> tuple[tuple[CollectiveTotal, ...], float, float, float]:
-    """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel."""
-    stride = {"tp": 1, "dp": layout.tp, "pp": layout.tp * layout.dp}
+    """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel.
+    Mesh strides: ``tp`` innermost, then ``dp_shard`` (``dp``), ``dp_replicate``, ``pp``."""
+    stride = {"tp": 1, "dp": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
+              "pp": layout.tp * layout.dp}
+    if layout.dp_shard == 1:
+        stride["dp"] = layout.tp  # DDP's replicas, adjacent to the tensor-parallel ranks
     merged: dict[tuple[str, str], list[float]] = {}
     times = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
     for (kind, group, gsize, nbytes), count in sorted(comm.items()):
@@ -474,19 +350,23 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
             cross: Crossing | None) -> Prediction:
     """Compose a prediction from a measurement (see :func:`predict`)."""
     L = spec.num_layers
-    layers = _Layers(units, profile, L, layout.checkpointed(L))
+    layers = _Layers(units, profile, L, layout.checkpointed(L), layout.ac)
     seg = units.segments
     e_f = _piece(seg["E.f"], profile)
     e_b = _piece(seg["E.b"], profile, units.grads["E"], units.largest["E"])
     h_f = _piece(seg["H.f"], profile)
     h_b = _piece(seg["H.b"], profile, units.grads["H"] - units.shared, units.largest["H"])
     bounds = [-1, *layout.cuts(L), L - 1]
-    roles = [_compose_stage(k, range(bounds[k] + 1, bounds[k + 1] + 1), spec, layout,
-                            profile, units, cross, layers, (e_f, e_b, h_f, h_b))
-             for k in range(layout.pp)]
-    n, pp = layout.n_microbatches, layout.pp
+    spans = [range(bounds[k] + 1, bounds[k + 1] + 1) for k in range(layout.stages)]
+    owner = layout.stage_ranks()
+    roles = [_compose_rank(r, [k for k in range(layout.stages) if owner[k] == r], spans,
+                           spec, layout, profile, units, cross, layers,
+                           (e_f, e_b, h_f, h_b))
+             for r in range(layout.pp)]
+    n, pp = layout.micro_steps, layout.pp
     slowest = max(r.per_microbatch for r in roles)
-    pipe = (n + pp - 1) * slowest if pp > 1 else n * slowest
+    fill = (pp - 1) * slowest * bubble_share(layout.pipeline_schedule, layout.per_rank)
+    pipe = n * slowest + fill
     step = pipe + max(r.after for r in roles)
     out = []
     for r in roles:
@@ -497,31 +377,67 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
                                   r.model_flops))
     total_flops = sum(r.flops for r in out) * layout.tp * layout.dp
     model_flops = sum(r.model_flops for r in out) * layout.tp * layout.dp
+    return Prediction(spec.name, layout, profile, tuple(out), step, total_flops,
+                      _notes(layout, units), model_flops)
+
+
+def _notes(layout: Layout, units: Units) -> tuple[str, ...]:
     notes = []
     fsdp = units.key.fsdp > 1
-    if layout.mixed_precision and fsdp:
+    n = layout.micro_steps
+    if units.key.mixed_precision and fsdp:
+        reduce = layout.reduce_dtype or layout.param_dtype
         notes.append("FSDP2 MixedPrecisionPolicy: all-gathers and compute in "
-                     f"{layout.mixed_precision}, gradients reduced in {layout.param_dtype}")
-    if fsdp and n > 1:
-        notes.append("FSDP2 reduce-scatters every micro-step (its default); torchloom train "
-                     "--grad-accum skips it on all but the last and keeps unsharded gradients")
-    return Prediction(spec.name, layout, profile, tuple(out), step, total_flops, tuple(notes),
-                      model_flops)
+                     f"{units.key.mixed_precision}, gradients reduced in {reduce}")
+    if fsdp and n > 1 and layout.pp == 1:
+        notes.append("FSDP2 with gradient accumulation: reduce-scatters on the last "
+                     "micro-step only (as torchloom train runs it) and keeps unsharded "
+                     "gradients between")
+    if fsdp and layout.pp > 1:
+        notes.append("FSDP2 under a pipeline: a stage's parameters stay unsharded from its "
+                     "first backward and its gradients accumulate unsharded until the "
+                     "step's end (torch.distributed.pipelining), then reduce-scatter once")
+    if layout.dp_mode == "hsdp":
+        notes.append(f"HSDP: sharded over {layout.dp_shard} ranks, gradients all-reduced "
+                     f"across {layout.dp_replicate} replicas")
+    if layout.ac == "op":
+        notes.append(f"ac=op is modelled, not measured: each layer keeps {OP_SAVED:.0%} of "
+                     "what a plain layer saves beyond a checkpointed one and recomputes "
+                     "its element-wise operators")
+    if layout.pp > 1 and layout.per_rank > 1:
+        notes.append(f"{layout.pipeline_schedule}: {layout.per_rank} stages per rank; "
+                     "the bubble is "
+                     f"{bubble_share(layout.pipeline_schedule, layout.per_rank):.2g} of "
+                     "1F1B's")
+    return tuple(notes)
 
 
-def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile: Profile,
-                   units: Units, cross: Crossing | None, layers: _Layers,
-                   ends: tuple[_Piece, _Piece, _Piece, _Piece]) -> _Role:
+def _stage_pieces(mine: range, first: bool, last: bool, layers: _Layers,
+                  ends: tuple[_Piece, _Piece, _Piece, _Piece]
+                  ) -> tuple[_Piece, _Piece, _Piece]:
+    """A stage's forward, first backward (creating its gradients) and later backward."""
     e_f, e_b, h_f, h_b = ends
-    pp, n = layout.pp, layout.n_microbatches
-    first, last = k == 0, k == pp - 1
+    fwd = ([e_f] if first else []) + [layers.fwd[j] for j in mine] + ([h_f] if last else [])
+    bwd = ([h_b] if last else []) + [layers.bwd[j] for j in reversed(mine)] + \
+        ([e_b] if first else [])
+    return _fold(fwd, False), _fold(bwd, False), _fold(bwd, True)
+
+
+def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelSpec,
+                  layout: Layout, profile: Profile, units: Units, cross: Crossing | None,
+                  layers: _Layers, ends: tuple[_Piece, _Piece, _Piece, _Piece]) -> _Role:
+    e_f, e_b, h_f, h_b = ends
+    pp, n = layout.pp, layout.micro_steps
+    count = layout.stages
+    first, last = 0 in stages, count - 1 in stages
     fsdp = units.key.fsdp > 1
     ddp = layout.dp > 1 and not fsdp
+    mine = [j for k in stages for j in spans[k]]
     # ---- what the rank holds
     params = len(mine) * units.params["L2"]
     grads = len(mine) * units.grads["L2"]
     tensors = len(mine) * units.param_tensors["L2"]
-    largest = units.largest["L2"] if len(mine) else 0
+    largest = units.largest["L2"] if mine else 0
     if first:
         params += units.params["E"]
         grads += units.grads["E"]
@@ -540,55 +456,84 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
     if spec.kind == "masked" and pp == 1:
         ids_bytes *= 2  # the attention mask
     runtime = grads if ddp and pp == 1 else 0  # DDP's gradient buckets
-    cross_in = cross_out = float_in = float_out = 0
-    if cross is not None:
-        if not first:
-            cross_in, float_in = cross.forward_bytes(k - 1), cross.backward_bytes(k - 1)
-            runtime += n * cross_in  # receive buffers, one per micro-batch
-        if not last:
-            cross_out, float_out = cross.forward_bytes(k), cross.backward_bytes(k)
-            runtime += n * float_out  # gradient receive buffers, one per micro-batch
+    sizes: dict[int, tuple[int, int, int, int]] = {}  # stage -> in, float in, out, float out
+    for k in stages:
+        c_in = f_in = c_out = f_out = 0
+        if cross is not None:
+            if k > 0:
+                c_in, f_in = cross.forward_bytes(k - 1), cross.backward_bytes(k - 1)
+                runtime += n * c_in  # receive buffers, one per micro-batch
+            if k < count - 1:
+                c_out, f_out = cross.forward_bytes(k), cross.backward_bytes(k)
+                runtime += n * f_out  # gradient receive buffers, one per micro-batch
+        sizes[k] = (c_in, f_in, c_out, f_out)
     outputs = n * units.leftover if cross is not None and last else 0
     # ---- the walk: the last stage's outputs of the previous step are dropped first
     base = params + optimizer + model_buffers + runtime + ids_bytes
     walk = _Walk(base + outputs)
     walk.add(-outputs)
-    fwd = ([e_f] if first else []) + [layers.fwd[j] for j in mine] + ([h_f] if last else [])
-    bwd = ([h_b] if last else []) + [layers.bwd[j] for j in reversed(mine)] + \
-        ([e_b] if first else [])
-    f_all, b_first, b_next = _fold(fwd, False), _fold(bwd, False), _fold(bwd, True)
-    order = _order(layout.pipeline_schedule, k, pp, n)
+    pieces = {k: _stage_pieces(spans[k], k == 0, k == count - 1, layers, ends)
+              for k in stages}
+    # FSDP2 under a pipeline: from a stage's first backward its parameters stay
+    # unsharded and its gradients accumulate unsharded (in the compute dtype); with
+    # gradient accumulation and no pipeline, the gradients only (no_sync)
+    widen = _unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
+    kept = 2 if pp > 1 else 1
+    # the first stage's FSDP2 root (embedding and head) is gathered by its first forward
+    # and not freed before a backward: its later forwards do not gather it again
+    root = min(max(0, ends[0].delta), round((1 + widen) * (
+        units.params["E"] + units.params["H"] - units.shared))) if widen else 0
+    acts = order(layout.pipeline_schedule, rank, pp, stages[0], layout.per_rank, n)
     gpipe = layout.pipeline_schedule == "GPipe"
-    warmup = next((i for i, (a, _) in enumerate(order) if a == "B"), len(order))
-    last_f = max(i for i, (a, _) in enumerate(order) if a == "F")
+    single = layout.per_rank == 1
+    warmup = next((i for i, (a, _, _) in enumerate(acts) if a == "B"), len(acts))
+    last_f = max(i for i, (a, _, _) in enumerate(acts) if a == "F")
     held_sends = held_grads = 0
-    grads_done = False
-    for i, (action, m) in enumerate(order):
+    done: set[int] = set()
+    before: dict[int, int] = {k: 0 for k in stages}  # forwards before a stage's first B
+    unsharded = 0
+    for i, (action, m, local) in enumerate(acts):
+        k = stages[local]
+        f_all, b_first, b_next = pieces[k]
+        c_in, f_in, c_out, f_out = sizes[k]
         if action == "F":
-            walk.run(f_all)
+            if widen and pp > 1 and k == 0 and (before[k] or k in done):
+                walk.run(_less(f_all, root))  # the root's parameters stay gathered
+            else:
+                walk.run(f_all)
+            if k not in done:
+                before[k] += 1
             continue
-        if held_sends and not gpipe and i - 1 > last_f:
-            walk.add(-held_sends * cross_out)  # 1F1B's cool-down releases the send
+        if single and held_sends and not gpipe and i - 1 > last_f:
+            walk.add(-held_sends * c_out)  # 1F1B's cool-down releases the send
             held_sends = 0
-        walk.run(b_next if grads_done else b_first)
-        grads_done = True
+        if widen and k not in done:
+            extra = round(kept * widen * _stage_param_bytes(k, spans, count, units))
+            walk.add(extra)
+            unsharded += extra
+        walk.run(b_next if k in done else b_first)
+        done.add(k)
         if pp == 1:
             walk.add(-units.leftover)  # the training loop drops the outputs
             continue
-        if not first:
+        if not single:
+            continue  # several stages per rank: sends and held gradients not walked
+        if k > 0:
             # the input gradient, held for its send: torch.distributed.pipelining drops it
             # after the next backward (GPipe: at the end of the step)
             if held_grads and not gpipe:
-                walk.add(-held_grads * float_in)
+                walk.add(-held_grads * f_in)
                 held_grads = 0
-            walk.add(float_in)
+            walk.add(f_in)
             held_grads += 1
-        if not last and (gpipe or (warmup >= 2 and m == warmup - 2)):
+        if k < count - 1 and (gpipe or (warmup >= 2 and m == warmup - 2)):
             # a sent forward output stays alive after its backward: GPipe waits for
             # every send at the end of the step; 1F1B holds one warm-up send
-            walk.add(cross_out)
+            walk.add(c_out)
             held_sends += 1
-    walk.add(-held_grads * float_in - held_sends * cross_out)
+    single_sizes = sizes[stages[0]]
+    walk.add(-held_grads * single_sizes[1] - held_sends * single_sizes[2])
+    walk.add(-unsharded)
     if outputs:
         # the last stage's outputs (in the walk since their forwards, kept until the next
         # step starts) are concatenated at the end of the step: one more copy, briefly
@@ -603,14 +548,17 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
     activations = max(0, peak - params - grads - optimizer - buffers - ids_bytes)
     memory = Memory(params, grads, optimizer, buffers, ids_bytes, activations, peak)
     # ---- work and communication
-    flops = n * (f_all.flops + b_first.flops)
+    flops = n * sum(pieces[k][0].flops + pieces[k][1].flops for k in stages)
     model_flops = n * (sum(layers.model[j] for j in mine)
                        + (e_f.flops + e_b.flops if first else 0)
                        + (h_f.flops + h_b.flops if last else 0))
-    compute_mb = f_all.seconds + b_first.seconds
+    compute_mb = sum(pieces[k][0].seconds + pieces[k][1].seconds for k in stages)
     comm: Counter = Counter()
-    for c, count in (f_all.comm + b_first.comm).items():
-        comm[c] += count * n
+    for k in stages:
+        f_all, b_first, _ = pieces[k]
+        for backward, part in ((False, f_all.comm), (True, b_first.comm)):
+            for c, num in part.items():
+                comm[c] += num * _fsdp_times(c, backward, fsdp, pp, n, before[k])
     if ddp:
         comm[("all_reduce", "dp", layout.dp, grads)] += 1  # DDP's buckets; a pipeline's loop
         if pp == 1 and model_buffers:
@@ -618,18 +566,20 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
             # once per step (the first micro-step's; no_sync skips the others)
             comm[("broadcast", "dp", layout.dp, model_buffers)] += 1
     if cross is not None:
-        if not last:
-            comm[("send", "pp", pp, cross_out)] += n
-            if float_out:
-                comm[("recv", "pp", pp, float_out)] += n
-        if not first:
-            comm[("recv", "pp", pp, cross_in)] += n
-            if float_in:
-                comm[("send", "pp", pp, float_in)] += n
-        if (first or last) and units.shared:
+        for k in stages:
+            c_in, f_in, c_out, f_out = sizes[k]
+            if k < count - 1:
+                comm[("send", "pp", pp, c_out)] += n
+                if f_out:
+                    comm[("recv", "pp", pp, f_out)] += n
+            if k > 0:
+                comm[("recv", "pp", pp, c_in)] += n
+                if f_in:
+                    comm[("send", "pp", pp, f_in)] += n
+        if (first or last) and not (first and last) and units.shared:
             comm[("all_reduce", "tie", 2, units.shared)] += 1
     totals, tp_time, p2p_time, dp_time = _collectives(comm, layout, profile)
-    bwd_compute = n * b_first.seconds
+    bwd_compute = n * sum(pieces[k][1].seconds for k in stages)
     if profile.overlap:
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))
     else:
@@ -638,6 +588,46 @@ def _compose_stage(k: int, mine: range, spec: ModelSpec, layout: Layout, profile
                                              profile.memory_efficiency) if states else 0.0
     if states and impl == "single":  # a dozen operators per parameter tensor
         opt_time += OPTIMIZER_OPS * tensors * profile.op_overhead
-    return _Role(k, len(mine), memory, flops, model_flops, totals, n * compute_mb,
+    return _Role(rank, len(mine), memory, flops, model_flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)
+
+
+def _less(piece: _Piece, nbytes: int) -> _Piece:
+    """``piece`` allocating ``nbytes`` less."""
+    return dataclasses.replace(piece, delta=piece.delta - nbytes,
+                               rise=max(0, piece.rise - nbytes))
+
+
+def _fsdp_times(c: tuple[str, str, int, int], backward: bool, fsdp: bool, pp: int, n: int,
+                before: int) -> int:
+    """How often a collective measured once per micro-batch runs in a step. FSDP2's
+    (``dp`` groups): under a pipeline, the all-gathers of the forwards before a stage's
+    first backward and of that backward, and one reduction at the end; without one, the
+    all-gathers of every micro-step and the reduction of the last (``no_sync``, as
+    ``torchloom train`` accumulates). Everything else: once per micro-batch."""
+    if not fsdp or c[1] not in _DP_GROUPS:
+        return n
+    if pp > 1:
+        return before if not backward else 1
+    return n if c[0] == "all_gather" else 1
+
+
+def _stage_param_bytes(k: int, spans: list[range], count: int, units: Units) -> int:
+    """The (sharded) parameter bytes of stage ``k`` on one rank."""
+    out = len(spans[k]) * units.params["L2"]
+    if k == 0:
+        out += units.params["E"]
+    if k == count - 1:
+        out += units.params["H"] - (units.shared if count == 1 else 0)
+    return out
+
+
+def _unsharded_ratio(layout: Layout, units: Units) -> float:
+    """Unsharded bytes per sharded parameter byte (parameters or gradients): ``dp_shard``
+    times the compute dtype's size over the parameter dtype's, minus the shard itself."""
+    from .spec import DTYPES
+
+    compute = DTYPES[units.key.mixed_precision or units.key.param_dtype].itemsize
+    param = DTYPES[units.key.param_dtype].itemsize
+    return max(0.0, layout.dp_shard * compute / param - 1.0)

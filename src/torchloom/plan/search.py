@@ -2,12 +2,18 @@
 
 :func:`enumerate_layouts` lists every layout of ``gpus`` devices that the model can take
 for a global batch: tensor-parallel degrees up to a node that divide the attention
-heads, KV heads (or are multiples of them) and MLP features; pipeline degrees that
-split the layers evenly, with at least as many micro-batches as stages; data-parallel
-degrees that divide the batch; DDP or FSDP2 (FSDP2 without a pipeline); sequence
-parallelism with tensor parallelism (on by default: the same bytes as plain tensor
-parallelism, less activation memory); the checkpoint ratios and micro-batch sizes
-asked for. What a degree fixed by the caller leaves is searched.
+heads, KV heads (or are multiples of them) and MLP features; pipeline degrees whose
+``pp x stages_per_rank`` stages split the layers evenly, with at least as many
+micro-batches as pipeline ranks, run by the ``pipeline_schedule`` asked for (any of
+:data:`~torchloom.parallel.layout.PIPELINE_SCHEDULES`); data-parallel degrees that
+divide the batch; DDP or FSDP2 (under a pipeline too), and HSDP when asked for
+(``dp_mode="hsdp"``: every ``dp_replicate`` that splits the data-parallel ranks, or the
+one given); sequence parallelism with tensor parallelism (on by default: the same bytes
+as plain tensor parallelism, less activation memory); the checkpoint ratios (or
+``ac="full"`` / ``"op"``) and micro-batch sizes asked for. What a degree fixed by the
+caller leaves is searched. Every layout is a :class:`torchloom.Layout` as
+``torchloom train`` makes it (``grad_accum`` micro-steps without a pipeline,
+``n_microbatches`` with one).
 
 :func:`search` drops the layouts whose parameters, gradients and optimizer state alone
 cannot fit (counted from the model's shapes, before anything is measured), predicts the
@@ -69,17 +75,34 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _modes(d: int, dp_mode: str | None, dp_replicate: int | None) -> list[tuple[int, int]]:
+    """``(dp_replicate, dp_shard)`` pairs of ``d`` data-parallel ranks."""
+    if d == 1:
+        return [(1, 1)]
+    if dp_replicate is not None or dp_mode == "hsdp":
+        reps = [dp_replicate] if dp_replicate else [r for r in _divisors(d) if 1 < r < d]
+        return [(r, d // r) for r in reps if d % r == 0 and 1 < r < d]
+    modes = [dp_mode] if dp_mode else ["ddp", "fsdp"]
+    return [(d, 1) if m == "ddp" else (1, d) for m in modes]
+
+
 def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: int,
                       gpus_per_node: int = 8, tp: int | None = None, pp: int | None = None,
                       dp: int | None = None, dp_mode: str | None = None,
-                      sp: bool | None = None, ckpt_ratios: Iterable[float] = (0.0, 0.5, 1.0),
+                      dp_replicate: int | None = None, sp: bool | None = None,
+                      ckpt_ratios: Iterable[float] = (0.0, 0.5, 1.0), ac: str | None = None,
                       micro_batches: Iterable[int] = (1, 2, 4, 8),
-                      pipeline_schedule: str = "1F1B", param_dtype: str = "fp32",
-                      mixed_precision: str | None = None, optimizer: str = "adamw",
+                      pipeline_schedule: str = "1F1B", stages_per_rank: int | None = None,
+                      param_dtype: str = "fp32", mixed_precision: str | None = None,
+                      optimizer: str = "adamw",
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
-    """Every valid layout (see the module docstring), and the ones refused with why."""
+    """Every valid layout (see the module docstring), and the ones refused with why.
+    ``dp_mode``: ``"ddp"``, ``"fsdp"`` or ``"hsdp"`` (None: DDP and FSDP2);
+    ``dp_replicate``: HSDP's replicas; ``ac``: ``"full"`` or ``"op"`` instead of the
+    ratios; ``pipeline_schedule`` and ``stages_per_rank``: the pipelines'."""
     out: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
+    ratios = [0.0] if ac else list(ckpt_ratios)
     tps = [tp] if tp else [d for d in _divisors(gpus) if d <= gpus_per_node]
     for t in tps:
         if gpus % t:
@@ -94,9 +117,10 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
             if batch_size % d:
                 continue
             local = batch_size // d
-            modes = [dp_mode] if dp_mode else (["ddp", "fsdp"] if d > 1 and p == 1 else ["ddp"])
+            pipe: dict[str, Any] = {"pipeline_schedule": pipeline_schedule,
+                                    "stages_per_rank": stages_per_rank} if p > 1 else {}
             sps = [sp] if sp is not None else [t > 1]
-            for mode in modes:
+            for rep, shard in _modes(d, dp_mode, dp_replicate):
                 for s in sps:
                     if s and t == 1:
                         continue
@@ -106,13 +130,14 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                         n = local // mb
                         if p > 1 and n < p:
                             continue
-                        for r in ckpt_ratios:
+                        steps: dict[str, Any] = ({"n_microbatches": n} if p > 1
+                                                 else {"grad_accum": n})
+                        for r in ratios:
                             try:
-                                lay = Layout(tp=t, sp=s, pp=p, dp=d, dp_mode=mode,
-                                             pipeline_schedule=pipeline_schedule,
-                                             n_microbatches=n, micro_batch=mb,
-                                             seq_len=seq_len, ckpt_ratio=r,
-                                             param_dtype=param_dtype,
+                                lay = Layout(tp=t, sp=s, pp=p, dp_replicate=rep,
+                                             dp_shard=shard, **pipe, **steps,
+                                             micro_batch=mb, seq_len=seq_len, ckpt_ratio=r,
+                                             ac=ac, param_dtype=param_dtype,
                                              mixed_precision=mixed_precision,
                                              optimizer=optimizer)
                             except PlanError:
@@ -136,12 +161,12 @@ def _layer_params(spec: ModelSpec) -> tuple[int, int]:
 
 def state_lower_bound(layout: Layout, layer_params: int, num_layers: int) -> int:
     """Bytes that parameters, gradients and optimizer state need at least on the busiest
-    rank: its stage's layers split between the tensor-parallel ranks (and the FSDP2
-    ranks), in the parameter dtype."""
-    per_stage = max(layout.stage_layers(num_layers))
-    share = layout.tp * (layout.dp if layout.dp_mode == "fsdp" else 1)
+    rank: its stages' layers split between the tensor-parallel ranks (and the FSDP2
+    shards), in the parameter dtype."""
+    per_rank = max(layout.stage_layers(num_layers)) * layout.per_rank
+    share = layout.tp * layout.dp_shard
     size = DTYPES[layout.param_dtype].itemsize
-    return per_stage * layer_params // share * size * (2 + OPTIMIZERS[layout.optimizer])
+    return per_rank * layer_params // share * size * (2 + OPTIMIZERS[layout.optimizer])
 
 
 def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch_size: int,
@@ -177,8 +202,8 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
             todo.append(lay)
     # measurements are shared by layouts with the same tensor-parallel degree and mode:
     # predict those groups together so that a progress bar moves evenly
-    todo.sort(key=lambda l: (l.tp, l.sp, l.dp_mode, l.pp > 1, l.pp, l.micro_batch,
-                             l.ckpt_ratio))
+    todo.sort(key=lambda l: (l.tp, l.sp, l.dp_mode, l.dp_replicate, l.pp > 1, l.pp,
+                             l.micro_batch, l.ckpt_ratio))
     preds: list[Prediction] = []
     for i, lay in enumerate(todo):
         if progress is not None:

@@ -111,7 +111,7 @@ class ModelSpec:
 
 
 def _layer_path(model: nn.Module, name: str) -> str:
-    found = []
+    found: list[str] = []
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and \
                 not any(path.startswith(f + ".") for f in found):
@@ -187,7 +187,7 @@ def code_spec(text: str, seq_len: int | None = None) -> ModelSpec:
             "n_embd=..., n_head=..., vocab_size=...) saved as config.json), or return that "
             "transformers model from the factory; torchloom train and verify take the "
             "module as it is")
-    config = made.config
+    config: Any = made.config
     _check_positions(config, text, seq_len)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise PlanError(
@@ -219,7 +219,7 @@ def _config_spec(path: str, seq_len: int | None) -> ModelSpec:
             "save_pretrained, or a config.json of a transformers model") from None
     classes = transformers.AutoModelForCausalLM._model_mapping
     try:
-        model_class = classes[type(config)]
+        model_class: Any = classes[type(config)]
     except KeyError:
         raise PlanError(
             f"{type(config).__name__} is not a causal language model transformers can build",

@@ -152,7 +152,7 @@ def _group_of(args: tuple[Any, ...]) -> tuple[str, int] | None:
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                if not a._type().name().endswith("ProcessGroup"):
+                if not a._type().name().endswith("ProcessGroup"):  # type: ignore[attr-defined]
                     continue
                 pg = dist.ProcessGroup.unbox(a)
             except (AttributeError, RuntimeError):
@@ -298,9 +298,9 @@ def fsdp_storage_resizes(tracker: Tracker) -> Iterator[None]:
     try:
         for m, names in saved:
             if "alloc_storage" in names:
-                m.alloc_storage = alloc_storage
+                m.alloc_storage = alloc_storage  # type: ignore[attr-defined]
             if "free_storage" in names:
-                m.free_storage = free_storage
+                m.free_storage = free_storage  # type: ignore[attr-defined]
         yield
     finally:
         for m, names in saved:

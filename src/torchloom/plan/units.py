@@ -83,9 +83,11 @@ class UnitKey:
         tp, sp: tensor-parallel degree and sequence parallelism.
         micro_batch, seq_len: the micro-batch's shape.
         param_dtype, mixed_precision: as in :class:`~torchloom.plan.layout.Layout`.
-        fsdp: the FSDP2 degree (1: no FSDP).
+        fsdp: the FSDP2 degree, ``dp_shard`` (1: no FSDP).
         loss: ``"model"`` (the model's own loss from ``labels``) or ``"next_token"``
             (the pipeline's: logits out, :func:`next_token_loss`).
+        replicate: HSDP's replicas (``dp_replicate`` with ``fsdp`` > 1; 1 otherwise).
+        reduce_dtype: the dtype FSDP2 reduces gradients in (None: the layout's default).
     """
 
     tp: int = 1
@@ -96,6 +98,20 @@ class UnitKey:
     mixed_precision: str | None = None
     fsdp: int = 1
     loss: str = "model"
+    replicate: int = 1
+    reduce_dtype: str | None = None
+
+    def layout(self) -> Any:
+        """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
+        parallelism besides FSDP2 / HSDP): its mesh and FSDP2 policy are
+        :func:`torchloom.parallel.init_mesh`'s and :func:`torchloom.parallelize`'s."""
+        from ..parallel.layout import Layout
+
+        return Layout(tp=self.tp, sp=self.sp, dp_shard=self.fsdp,
+                      dp_replicate=self.replicate if self.fsdp > 1 else 1,
+                      micro_batch=self.micro_batch, seq_len=self.seq_len,
+                      param_dtype=self.param_dtype, mixed_precision=self.mixed_precision,
+                      reduce_dtype=self.reduce_dtype)
 
 
 @dataclass
@@ -312,7 +328,7 @@ def _fake_params(model: nn.Module, mode: Any) -> None:
                         for hook in (getattr(t, "_backward_hooks", None) or {}).values():
                             fake.register_hook(hook)
                     memo[id(t)] = fake
-                table[name] = memo[id(t)]
+                table[name] = memo[id(t)]  # type: ignore[assignment]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -328,15 +344,29 @@ def _autocast(key: UnitKey) -> Any:
     return torch.autocast("cpu", dtype=DTYPES[key.mixed_precision])
 
 
-def _fully_shard(model: nn.Module, layers: nn.ModuleList, mesh: Any, key: UnitKey) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _fully_shard(model: nn.Module, spec: ModelSpec, mesh: Any, key: UnitKey) -> None:
+    """FSDP2 as :func:`torchloom.parallelize` applies it: each layer, then the root, over
+    the mesh's FSDP2 dimension(s), with the layout's mixed-precision policy."""
+    from ..parallel.parallelize import mp_policy
+    from ..runtime.parallel import fully_shard_model
 
-    policy = (MixedPrecisionPolicy(param_dtype=DTYPES[key.mixed_precision],
-                                   reduce_dtype=DTYPES[key.param_dtype])
-              if key.mixed_precision else MixedPrecisionPolicy())
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    layers: Any = model.get_submodule(spec.layers)
+    units = [f"{spec.layers}.{i}" for i in range(len(layers))]
+    fully_shard_model(model, mesh, units, mp_policy=mp_policy(key.layout()))
+
+
+def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
+    """Process-group name -> the planner's label: ``tp``; ``dp`` for FSDP2's shards (and
+    every data-parallel rank); ``dp_replicate`` for HSDP's replicas."""
+    if mesh is None:
+        return {}
+    hsdp = key.fsdp > 1 and key.replicate > 1
+    out: dict[str, str] = {}
+    for dim, label in (("dp", "dp"), ("dp_replicate", "dp_replicate" if hsdp else "dp"),
+                       ("dp_shard", "dp"), ("tp", "tp")):
+        if mesh.size(dim) > 1:
+            out[mesh.group(dim).group_name] = label
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -350,24 +380,27 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
     """Measure the pieces of a step (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..core.schedule import create_schedule
-    from ..runtime.parallel import init_mesh
+    from ..parallel.mesh import init_mesh
+    from ..parallel.parallelize import create_schedule
 
-    with fake_world(key.tp * key.fsdp):
-        mesh = init_mesh(dp=key.fsdp, tp=key.tp, device_type="cpu")
-        groups = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+    layout = key.layout()
+    with fake_world(layout.world):
+        mesh = init_mesh(layout, "cpu")
+        groups = _groups(mesh, key)
         model = spec.build(depth=depth, dtype=DTYPES[key.param_dtype])
-        sch = create_schedule(model, group=mesh["tp"].get_group() if key.tp > 1 else None)
+        sch = create_schedule(model, mesh if key.tp > 1 else None)
+        # the first ``ckpt_layers`` layers are checkpointed: the ratio that gives them by
+        # the rule checkpoint(ratio=...) and the planner share (core.rules)
         knobs: dict[str, Any] = {"ckpt_ratio": ckpt_layers / depth}
         if key.tp > 1:
             knobs["tp"] = True
         if key.sp:
             knobs["sequence_parallel"] = True
         apply_knobs(sch, spec, knobs, schedule)
-        layers = model.get_submodule(spec.layers)
+        layers: Any = model.get_submodule(spec.layers)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         if key.fsdp > 1:
-            _fully_shard(model, layers, mesh["dp"], key)
+            _fully_shard(model, spec, mesh, key)
             with mode:
                 model.to_empty(device="cpu")
         else:
@@ -383,7 +416,7 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
     depth = len(layers)
     tracker = OpCost(groups)
     segments: dict[str, SegmentCost] = {}
-    state = {"part": "E", "flops": 0}
+    state: dict[str, Any] = {"part": "E", "flops": 0}
     # which parts use each module's own parameters: layer i's modules are Li's, the
     # others are recorded when the forward calls them (by module, since FSDP2 swaps the
     # parameter objects during the forward)
@@ -454,6 +487,7 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
                     result["loss"] = out.loss
                 else:
                     logits = out.logits if hasattr(out, "logits") else _first_tensor(out)
+                    assert logits is not None
                     result["loss"] = next_token_loss(logits, inputs["input_ids"])
                     del logits
                 del out

@@ -3,10 +3,13 @@ layout on gloo ranks, with the storage view of ``TrainEvaluator`` and every coll
 counted.
 
 :func:`measure_rank` is one rank of a run (``torchloom.runtime.launch.run_ranks`` or
-``tests/dist.py``'s ``spawn`` starts the ranks): a zoo model, scheduled with its built-in
-schedule over the mesh's tensor-parallel group, built for the layout (DDP, FSDP2, or a
-pipeline of even stages run with the layout's schedule, its data-parallel replicas
-all-reducing their gradients as ``torchloom train`` does), trained with AdamW for
+``tests/dist.py``'s ``spawn`` starts the ranks): a zoo model built for the layout by
+:func:`torchloom.parallelize` on :func:`torchloom.parallel.init_mesh`'s mesh, exactly as
+``torchloom train`` builds it (:func:`build_layout`: the built-in schedule at the
+layout's tensor parallelism, the stage cuts, the checkpointed layers, FSDP2 / HSDP / DDP
+per stage), trained as ``torchloom train`` trains it (a pipeline's schedule step and its
+replicas' gradient average; the micro-steps with the data-parallel reduction on the last
+only), with AdamW for
 ``warmup`` steps, then one step measured with a :class:`~torchloom.plan.tracking.Tracker`
 that was active since before ``build`` (so the runtime's own storages, DDP's buckets and
 the pipeline's receive buffers, are seen), with FSDP2's storage resizes reported. Then
@@ -15,9 +18,8 @@ the pipeline's receive buffers, are seen), with FSDP2's storage resizes reported
 A step: ``zero_grad(set_to_none=True)``, the micro-batches (gradient accumulation; DDP
 synchronises on the last), the optimizer step. The local batch is made once per rank.
 
-Preconditions: a default process group of ``layout.world`` ranks (gloo); the rank's
-references to the whole model are dropped after ``build`` (a pipeline rank keeps only its
-stages).
+Preconditions: a default process group of ``layout.world`` ranks (gloo). A pipeline
+rank reads only its stages' weights (the others stay on ``meta``).
 
 >>> compare({"peak": 100}, {"peak": 110})["error"]   # (predicted - measured) / measured
 0.1
@@ -39,7 +41,8 @@ from .layout import Layout
 from .tracking import Tracker, fsdp_storage_resizes
 from .units import next_token_loss
 
-__all__ = ["measure_rank", "measure_many", "compare", "check_prediction"]
+__all__ = ["build_layout", "check_prediction", "compare", "measure_many", "measure_rank",
+           "mesh_labels"]
 
 
 def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
@@ -52,29 +55,61 @@ def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
     return zoo.make_model(name, size, seed=seed, **overrides)
 
 
+def mesh_labels(layout: Layout, mesh: Any) -> dict[str, str]:
+    """Process-group name -> the planner's label of its collectives: ``pp``, ``tp``,
+    ``dp`` (FSDP2's shards, DDP's replicas, every data-parallel rank) and
+    ``dp_replicate`` (HSDP's replicas)."""
+    if mesh is None:
+        return {}
+    hsdp = layout.dp_mode == "hsdp"
+    out: dict[str, str] = {}
+    for dim, label in (("pp", "pp"), ("dp", "dp"),
+                       ("dp_replicate", "dp_replicate" if hsdp else "dp"),
+                       ("dp_shard", "dp"), ("tp", "tp")):
+        if mesh.size(dim) > 1:
+            out[mesh.group(dim).group_name] = label
+    return out
+
+
+def build_layout(model: torch.nn.Module, layout: Layout, mesh: Any, *, name: str,
+                 example: torch.Tensor, weights: str | None = None,
+                 knobs: dict[str, Any] | None = None) -> Any:
+    """``torchloom.parallelize`` of zoo model ``name`` for ``layout``, as ``torchloom
+    train`` calls it (the zoo's stacks of layers, the next-token loss of a pipeline's
+    last stage): the plan's measurements build every layout through it."""
+    from ..parallel.parallelize import create_schedule, parallelize
+    from ..schedules import zoo
+
+    sch = create_schedule(model, mesh)
+    pipe = layout.pp > 1
+    return parallelize(sch, layout, mesh=mesh, weights=weights,
+                       example_inputs={"input_ids": example} if pipe else None,
+                       loss_fn=next_token_loss if pipe else None, knobs=knobs,
+                       stacks=zoo.layer_paths(name))
+
+
 def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one rank (see the module docstring). ``config``: ``model``, ``size``,
     ``layout`` (a :meth:`Layout.to_dict`), ``warmup`` (default 2), ``timed`` (default 0),
     ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns
-    ``stage``, ``peak``, ``collectives`` (bytes per ``"kind/group"``),
-    ``counts`` and ``step_s`` (the timed steps)."""
-    from .. import schedules
-    from ..core.schedule import create_schedule
-    from ..runtime.build import build
+    ``stage`` (the pipeline rank), ``peak``, ``collectives`` (bytes per ``"kind/group"``),
+    ``counts``, ``step_s`` (the timed steps) and ``built`` (what
+    :func:`torchloom.parallelize` did: ``checkpointed``, ``cut_after``, ``groups``,
+    ``fsdp_units``)."""
+    from ..parallel.mesh import init_mesh
     from ..runtime.materialise import init_empty_weights
-    from ..runtime.parallel import init_mesh
 
     layout_dict = dict(config["layout"])
     if layout_dict.get("stage_cuts") is not None:
         layout_dict["stage_cuts"] = tuple(layout_dict["stage_cuts"])
     lay = Layout(**layout_dict)
     torch.manual_seed(config.get("seed", 0))
-    mesh = init_mesh(dp=lay.dp, tp=lay.tp, pp=lay.pp)
-    groups = {mesh[d].get_group().group_name: d for d in ("pp", "dp", "tp")}
-    stage = mesh["pp"].get_local_rank()
-    dp_rank = mesh["dp"].get_local_rank()
-    model = _model(config["model"], config.get("size", "tiny"), lay.seq_len,
-                   config.get("seed", 0))
+    mesh = init_mesh(lay, "cpu")
+    groups = mesh_labels(lay, mesh)
+    stage = mesh.local_rank("pp") if mesh is not None else 0
+    dp_rank = mesh.local_rank("dp") if mesh is not None else 0
+    model: Any = _model(config["model"], config.get("size", "tiny"), lay.seq_len,
+                        config.get("seed", 0))
     if lay.param_dtype != "fp32":
         model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[lay.param_dtype])
     weights = None
@@ -92,17 +127,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         with init_empty_weights():
             model = type(model)(config_obj)
         model.train()
-    sch = create_schedule(model, group=mesh["tp"].get_group() if lay.tp > 1 else None)
-    # a pipeline checkpoints after the cuts: trace_until cannot reach checkpointed
-    # layers (they are leaves), so `torchloom train --pp 2 --ckpt-ratio 0.5` fails today
-    knobs: dict[str, Any] = {"ckpt_ratio": lay.ckpt_ratio} if lay.pp == 1 else {}
-    if lay.tp > 1:
-        knobs["tp"] = True
-    if lay.sp:
-        knobs["sequence_parallel"] = True
-    knobs.update(config.get("knobs") or {})  # kernel knobs (compile, attention, ...)
-    schedules.apply_schedule(sch, **knobs)
-    rows = lay.n_microbatches * lay.micro_batch
+    rows = lay.micro_steps * lay.micro_batch
     gen = torch.Generator().manual_seed(1000 + dp_rank)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (rows, lay.seq_len), generator=gen)
@@ -110,52 +135,26 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     tracker = Tracker(groups, real=True)
     tracker.counting = False
     with fsdp_storage_resizes(tracker), tracker:
+        done = build_layout(model, lay, mesh, name=config["model"],
+                            example=ids[: lay.micro_batch], weights=weights,
+                            knobs=config.get("knobs"))
+        built = done.model
         if lay.pp > 1:
-            from ..schedules import zoo
-
-            layers = zoo.layer_paths(config["model"])[0]
-            count = len(sch[layers].child)
-            micro = ids[: lay.micro_batch]
-            sch.trace_until(f"{layers}.*", example_inputs={"input_ids": micro})
-            for cut in lay.cuts(count):
-                sch[f"{layers}.{cut}"].cut_pipeline_stage()
-            if lay.ckpt_ratio:
-                sch[layers].checkpoint(ratio=lay.ckpt_ratio)
-            built, _ = build(sch, target="pipeline", mesh=mesh, schedule=lay.pipeline_schedule,
-                             n_microbatches=lay.n_microbatches, loss_fn=next_token_loss,
-                             example_inputs=(micro,), weights=weights)
             for _, group in built.ties:
                 groups[group.group_name] = "tie"
             tracker.groups = groups
-        else:
-            target = None if lay.dp == 1 else lay.dp_mode
-            built, _ = build(sch, target=target, mesh=mesh if target else None)
-        del model, sch
+        record = {"checkpointed": list(done.checkpointed), "cut_after": list(done.cut_after),
+                  "groups": dict(done.groups), "fsdp_units": list(done.fsdp_units)}
+        del model  # (a pipeline's other stages stay on meta in the schedule's model)
         params = list(built.parameters())
         opt = torch.optim.AdamW(params, lr=1e-4)
         for t in [*params, *built.buffers(), ids, *extra.values()]:
             tracker.track(t)
+        parallel = _Steps(done)
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            if lay.pp > 1:
-                built.step(ids, target=ids)
-                if lay.dp > 1:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-            else:
-                chunks = ids.chunk(lay.n_microbatches)
-                masks = [m.chunk(lay.n_microbatches) for m in extra.values()]
-                for i, chunk in enumerate(chunks):
-                    kw = {k: m[i] for k, m in zip(extra, masks)}
-                    sync = i == len(chunks) - 1 or lay.dp == 1 or lay.dp_mode != "ddp"
-                    ctx = built.no_sync() if not sync else _null()
-                    with ctx:
-                        loss = built(input_ids=chunk, labels=chunk, **kw).loss
-                        loss.backward()
-                    del loss
+            parallel.run(ids, extra)
             opt.step()
 
         for _ in range(config.get("warmup", 2)):
@@ -184,8 +183,34 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         times.append(time.perf_counter() - start)
     return {"rank": rank, "stage": stage, "peak": peak, "collectives": collectives,
-            "counts": counts, "step_s": times,
+            "counts": counts, "step_s": times, "built": record,
             "step_median_s": statistics.median(times) if times else None}
+
+
+class _Steps:
+    """One step's micro-batches as ``torchloom train`` runs them on a
+    :class:`~torchloom.parallel.parallelize.Parallelized` model: a pipeline's schedule
+    step (then the gradient average of its DDP replicas), or the micro-steps with the
+    data-parallel reduction skipped on all but the last."""
+
+    def __init__(self, done: Any) -> None:
+        self.done = done
+
+    def run(self, ids: torch.Tensor, extra: dict[str, torch.Tensor]) -> None:
+        done, lay = self.done, self.done.layout
+        if lay.pp > 1:
+            with done.autocast("cpu"):
+                done.model.step(ids, target=ids)
+            done.reduce_gradients()
+            return
+        chunks = ids.chunk(lay.micro_steps)
+        masks = [m.chunk(lay.micro_steps) for m in extra.values()]
+        for i, chunk in enumerate(chunks):
+            kw = {k: m[i] for k, m in zip(extra, masks)}
+            with done.no_sync(i < len(chunks) - 1), done.autocast("cpu"):
+                loss = done.model(input_ids=chunk, labels=chunk, **kw).loss
+                loss.backward()
+            del loss
 
 
 def measure_many(rank: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,14 +244,6 @@ def check_prediction(measured: dict[str, Any], prediction: Any,
             "within": abs(error) <= tolerance, "collectives_measured": measured["collectives"],
             "collectives_predicted": predicted,
             "collectives_equal": predicted == measured["collectives"]}
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return False
 
 
 def compare(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, Any]:

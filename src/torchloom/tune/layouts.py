@@ -17,8 +17,9 @@ the planner ranks first.
    model's built-in schedule the planner does not model, e.g. ``{"compile": "inductor"}``
    or GPT-2's ``{"attention": "sdpa"}``; pipelines run the plain variant only): by
    default :func:`measure_on_local_ranks`, ``gpus`` gloo ranks of this machine, the model
-   built, scheduled and wrapped for the layout as ``torchloom train`` does it, ``warmup``
-   steps then ``timed`` timed ones;
+   built for the layout by :func:`torchloom.parallelize` exactly as ``torchloom train``
+   builds it (:func:`torchloom.plan.validate.build_layout`), ``warmup`` steps then
+   ``timed`` timed ones;
 4. returns every layout with its prediction and, for the measured ones, the measured
    tokens/s and per-rank peak; :attr:`LayoutTuneResult.best` is the fastest measured.
 
@@ -114,7 +115,7 @@ def measure_on_local_ranks(model: str, *, batch_size: int, size: str = "tiny",
         from ..plan.validate import measure_many
         from ..runtime.launch import raise_first_failure, run_ranks
 
-        if layout.mixed_precision:
+        if layout.mixed_precision not in (None, layout.param_dtype):
             raise TuneError(
                 f"the local measurement runs fp32 steps, and the layout asks for "
                 f"{layout.mixed_precision} autocast", primitive="tune_layouts",
@@ -152,7 +153,9 @@ def tune_layouts(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *,
         measure: ``fn(layout, kernel_knobs) -> {"tokens_per_s", "peak"}``; default
             :func:`measure_on_local_ranks` of ``model``.
         space: keyword arguments of :func:`torchloom.plan.enumerate_layouts` (fixed
-            degrees, ``dp_mode``, ``ckpt_ratios``, ``micro_batches``, dtypes).
+            degrees, ``dp_mode`` ddp / fsdp / hsdp, ``dp_replicate``,
+            ``pipeline_schedule``, ``stages_per_rank``, ``ckpt_ratios`` or ``ac``,
+            ``micro_batches``, dtypes).
 
     Raises:
         TuneError: ``measure_top`` below 1, or no layout fits the budget.
