@@ -177,6 +177,15 @@ def check_empty_data_folder(tmp_path: Path):
     T.check_config(TrainConfig(data=[str(tmp_path / "empty")], steps=1))
 
 
+def check_heads_that_tp_does_not_divide():
+    T.check_config(TrainConfig(model="llama", tp=3, batch_size=3))
+
+
+def check_layers_that_virtual_stages_do_not_divide():
+    T.check_config(TrainConfig(model="llama", pp=2, pipeline_schedule="Interleaved1F1B",
+                               n_microbatches=2, batch_size=8))
+
+
 def check_resume_from_stage_folders_of_an_older_version(tmp_path: Path):
     (tmp_path / "stage-0").mkdir()
     (tmp_path / "stage-1").mkdir()
@@ -277,6 +286,13 @@ CASES: list[tuple[Callable, type, str]] = [
      r"the training text holds 57 tokens, not more than one window of --seq-len 64"),
     (check_empty_data_folder, DataError,
      r"the folder holds no files.*data='.*empty'" + _FIX + r"put \.txt files in it"),
+    (check_heads_that_tp_does_not_divide, TrainOptionError,
+     r"^torchloom train\(\.\.\.\): --tp 3: tensor parallelism gives each of the 3 ranks whole "
+     r"attention heads, and 2 heads do not divide\n    values: model='llama', heads=2, tp=3\n"
+     r"    fix: --tp in \[1, 2\]$"),
+    (check_layers_that_virtual_stages_do_not_divide, TrainOptionError,
+     r"--pp 2: 2 layers do not split evenly into 4 stages" + _FIX +
+     r"--pp x --stages-per-rank dividing 2: one of \[1, 2\]$"),
     (check_resume_from_stage_folders_of_an_older_version, CheckpointIOError,
      r"the save directory holds stage-0, stage-1: the per-stage checkpoints of a pipeline run "
      r"of an older torchloom, which saved each stage apart; this version saves one checkpoint "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import schedules
+from ..core.errors import LayoutError, ScheduleError
 from ..runtime.model_check import check_fits, format_bytes
 from ..runtime.state import (
     writable_problem,
@@ -105,6 +106,8 @@ def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
             values={"model": cfg.model, "class": type(inner).__name__},
             fix="keep the trained weights with --save-dir (torchloom.load reads them back "
             "into the module), or return a transformers model from the factory")
+    if cfg.tp > 1 and cfg.model_kind != "code":
+        _check_tp_sizes(cfg)
     if cfg.pp == 1:
         return
     layers = layer_lists(model, cfg.model)
@@ -114,11 +117,39 @@ def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
             primitive=_PRIMITIVE, values={"model": cfg.model, "layers": layers},
             fix="pipeline gpt2, bert or llama, or cut the stages by hand in Python")
     count = len(list(model.get_submodule(layers[0]).children()))
-    if count % cfg.pp:
+    layout = cfg.layout()
+    try:
+        layout.check_layers(count)  # the rule parallelize applies
+    except LayoutError as exc:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise TrainOptionError(
-            f"{count} layers do not split evenly into {cfg.pp} stages",
-            primitive=_PRIMITIVE, values={"layers": count, "pp": cfg.pp},
-            fix=f"use --pp dividing {count}")
+            f"--pp {cfg.pp}: {exc.problem}", primitive=_PRIMITIVE,
+            values={"layers": count, "pp": cfg.pp, "stages_per_rank": layout.per_rank},
+            fix=f"--pp x --stages-per-rank dividing {count}: one of {divisors}") from None
+
+
+def _check_tp_sizes(cfg: TrainConfig) -> None:
+    """Heads, KV heads and MLP features that ``--tp`` cannot share, before any rank starts
+    (the planner's rules, :func:`torchloom.plan.layout.check_model`; the schedule checks
+    them again when applied). A config the planner cannot read is left to the schedule."""
+    from ..plan.layout import check_model
+    from ..plan.spec import model_spec
+
+    try:
+        spec = model_spec(cfg.model, cfg.size, cfg.seq_len)
+    except Exception:  # noqa: BLE001 - a config the planner does not read: the ranks check
+        return
+    try:
+        check_model(cfg.layout().replace(pp=1, stages_per_rank=None, stage_cuts=None,
+                                          n_microbatches=1), spec)
+    except ScheduleError as exc:
+        raise TrainOptionError(f"--tp {cfg.tp}: {exc.problem}", primitive=_PRIMITIVE,
+                               values={"model": cfg.model, **exc.values},
+                               fix=f"--{exc.fix}" if (exc.fix or "").startswith("tp ")
+                               else exc.fix
+                               ) from None
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return  # a size the config does not name: the schedule checks it in the ranks
 
 
 ADAMW_COPIES = 4
