@@ -186,6 +186,14 @@ def check_layers_that_virtual_stages_do_not_divide():
                                n_microbatches=2, batch_size=8))
 
 
+def check_stage_cuts_leaving_a_stage_empty():
+    T.check_config(TrainConfig(model="llama", pp=2, stage_cuts="1", batch_size=8))
+
+
+def option_stage_cuts_not_integers():
+    TrainConfig(pp=2, stage_cuts="0,x", batch_size=8)
+
+
 def check_resume_from_stage_folders_of_an_older_version(tmp_path: Path):
     (tmp_path / "stage-0").mkdir()
     (tmp_path / "stage-1").mkdir()
@@ -292,7 +300,15 @@ CASES: list[tuple[Callable, type, str]] = [
      r"    fix: --tp in \[1, 2\]$"),
     (check_layers_that_virtual_stages_do_not_divide, TrainOptionError,
      r"--pp 2: 2 layers do not split evenly into 4 stages" + _FIX +
-     r"--pp x --stages-per-rank dividing 2: one of \[1, 2\]$"),
+     r"--pp x --stages-per-rank dividing 2: one of \[1, 2\]; or an uneven split with "
+     r"--stage-cuts$"),
+    (check_stage_cuts_leaving_a_stage_empty, TrainOptionError,
+     r"--pp 2: a stage would have no layer: 2 stages, cuts \[1\], 2 layers" + _FIX +
+     r"--stage-cuts naming 1 increasing layers from 0 to 0$"),
+    (option_stage_cuts_not_integers, TrainOptionError,
+     r"--stage-cuts '0,x': must list the layers \(0-based\) after which a stage ends, "
+     r"comma-separated" + _FIX + r"--stage-cuts 7,15,23 \(in a TOML file: stage_cuts = "
+     r"'7,15,23'\)$"),
     (check_resume_from_stage_folders_of_an_older_version, CheckpointIOError,
      r"the save directory holds stage-0, stage-1: the per-stage checkpoints of a pipeline run "
      r"of an older torchloom, which saved each stage apart; this version saves one checkpoint "

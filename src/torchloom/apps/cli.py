@@ -170,6 +170,9 @@ def train(
     stages_per_rank: int = typer.Option(None, help="Pipeline stages per rank (default 2 "
                                         "for the interleaved and zero-bubble schedules, "
                                         "else 1)."),
+    stage_cuts: str = typer.Option(None, help="Layers (0-based) after which a pipeline "
+                                   "stage ends, comma-separated: 7,15,23 (default: an even "
+                                   "split of pp x stages-per-rank stages)."),
     n_microbatches: int = typer.Option(_train_default("n_microbatches"), help="Pipeline "
                                        "micro-batches per step."),
     sp: bool = typer.Option(False, "--sp/--no-sp", help="Sequence parallelism (with --tp > 1)."),

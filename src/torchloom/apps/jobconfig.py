@@ -63,13 +63,14 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
               "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",
               "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "dp",
               "dp_mode", "dp_replicate", "pp", "pipeline_schedule", "stages_per_rank",
-              "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic")
+              "stage_cuts", "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic")
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
 
 LAYOUT_FIELDS = ("tp", "dp", "dp_mode", "dp_replicate", "pp", "pipeline_schedule",
-                 "stages_per_rank", "n_microbatches", "grad_accum", "sequence_parallel",
+                 "stages_per_rank", "stage_cuts", "n_microbatches", "grad_accum",
+                 "sequence_parallel",
                  "ckpt_ratio", "ac")
 """The :data:`RUN_FIELDS` that only spread a step over the ranks (the same global batch,
 the same arithmetic up to reduction order): ``--resume`` into another layout reshards the
@@ -153,6 +154,9 @@ class TrainConfig:
     """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
     stages_per_rank: int | None = None
     """Stages per pipeline rank (default 2 for the interleaved and zero-bubble schedules)."""
+    stage_cuts: tuple[int, ...] | None = None
+    """The layers (0-based, of the stack) after which a pipeline stage ends (None: an even
+    split); ``--stage-cuts 7,15,23``, or a list in TOML."""
     n_microbatches: int = 4
     sequence_parallel: bool = False
     ckpt_ratio: float = 0.0
@@ -191,6 +195,10 @@ class TrainConfig:
             object.__setattr__(self, "data", (os.fspath(self.data),))
         elif isinstance(self.data, list):
             object.__setattr__(self, "data", tuple(self.data))
+        if isinstance(self.stage_cuts, str):
+            object.__setattr__(self, "stage_cuts", _cuts_of(self.stage_cuts))
+        elif isinstance(self.stage_cuts, list):
+            object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
         _validate(self)
         object.__setattr__(self, "_kind", model_kind(self.model) or "")
 
@@ -229,7 +237,7 @@ class TrainConfig:
         return Layout(
             dp_replicate=replicate, dp_shard=self.dp // replicate, tp=self.tp,
             sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
-            stages_per_rank=self.stages_per_rank,
+            stages_per_rank=self.stages_per_rank, stage_cuts=self.stage_cuts,
             n_microbatches=self.n_microbatches if self.pp > 1 else 1,
             grad_accum=self.grad_accum, micro_batch=max(1, micro), seq_len=self.seq_len,
             ckpt_ratio=self.ckpt_ratio if self.ac is None else 0.0, ac=self.ac,
@@ -354,6 +362,13 @@ def _validate(c: TrainConfig) -> None:
                     f"must be one of {', '.join(PIPELINE_SCHEDULES)}", "1F1B",
                     {"pipeline_schedule": c.pipeline_schedule,
                      "choices": list(PIPELINE_SCHEDULES)})
+    if c.stage_cuts is not None and (not isinstance(c.stage_cuts, tuple) or not c.stage_cuts
+                                     or not all(_is_int(k) and k >= 0 for k in c.stage_cuts)):
+        raise _fail("stage_cuts", c.stage_cuts, "must list the layers (0-based) after which a "
+                    "stage ends, comma-separated", "7,15,23")
+    if c.stage_cuts is not None and c.pp == 1:
+        raise _fail("stage_cuts", ",".join(map(str, c.stage_cuts)), "cuts pipeline stages: "
+                    "it needs --pp 2 or more", "7,15,23", values={"pp": 1})
     if c.stages_per_rank is not None and (not _is_int(c.stages_per_rank) or
                                           c.stages_per_rank < 1):
         raise _fail("stages_per_rank", c.stages_per_rank, "must be a positive integer", 2)
@@ -492,6 +507,19 @@ def _check_pipeline(c: TrainConfig) -> None:
                     "stages_per_rank": c.stages_per_rank,
                     "n_microbatches": c.n_microbatches, "grad_accum": c.grad_accum},
             fix=_as_flags(exc.fix or "")) from None
+
+
+def _cuts_of(text: str) -> tuple[int, ...] | Any:
+    """``"7,15,23"`` -> ``(7, 15, 23)``; text that is not comma-separated integers is kept
+    for the check to refuse.
+
+    >>> _cuts_of("7, 15,23")
+    (7, 15, 23)
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if all(p.lstrip("-").isdigit() for p in parts):
+        return tuple(int(p) for p in parts)
+    return text
 
 
 def _key(name: str) -> str:

@@ -99,8 +99,6 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
                      f"{layout.param_dtype}"
     if layout.mixed_precision not in (None, "fp32", "bf16"):
         return None, f"torchloom train has no {layout.mixed_precision} autocast"
-    if layout.stage_cuts is not None:
-        return None, "torchloom train splits the layers evenly"
     bf16 = layout.mixed_precision == "bf16"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
                               "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
@@ -116,7 +114,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     if layout.pp > 1:
         fields.update(n_microbatches=layout.n_microbatches, grad_accum=layout.grad_accum,
                       pipeline_schedule=layout.pipeline_schedule,
-                      stages_per_rank=layout.stages_per_rank)
+                      stages_per_rank=layout.stages_per_rank, stage_cuts=layout.stage_cuts)
     else:
         fields["grad_accum"] = layout.micro_steps
     try:
@@ -139,6 +137,8 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
             flags += ["--pipeline-schedule", layout.pipeline_schedule]
         if layout.stages_per_rank is not None:
             flags += ["--stages-per-rank", str(layout.stages_per_rank)]
+        if layout.stage_cuts is not None:
+            flags += ["--stage-cuts", ",".join(map(str, layout.stage_cuts))]
         flags += ["--n-microbatches", str(layout.n_microbatches)]
         if layout.grad_accum > 1:
             flags += ["--grad-accum", str(layout.grad_accum)]
@@ -508,7 +508,7 @@ def plan_command(
         if layout.stage_cuts is not None:
             console.print(f"note: {spec.num_layers} layers do not split evenly into "
                           f"{layout.stages} stages: cut after layers {list(layout.stage_cuts)}"
-                          " (Layout(stage_cuts=...); torchloom train splits evenly)")
+                          " (Layout(stage_cuts=...), torchloom train --stage-cuts)")
         with console.status("measuring the pieces of a step on fake tensors..."):
             pred = predict(spec, layout, profile)
         console.print(_roles_table(pred))

@@ -91,6 +91,8 @@ def _flag_text(key: str, value: Any) -> str:
         return FLAGS[key] if value else ""
     if value is None:
         return ""
+    if isinstance(value, list) and key == "stage_cuts":
+        return f"{FLAGS[key]} {','.join(map(str, value))}"
     if isinstance(value, list):
         return " ".join(f"{FLAGS[key]} {v}" for v in value)
     return f"{FLAGS[key]} {value}"

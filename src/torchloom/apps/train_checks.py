@@ -122,10 +122,14 @@ def _check_model(cfg: TrainConfig, model: nn.Module) -> None:
         layout.check_layers(count)  # the rule parallelize applies
     except LayoutError as exc:
         divisors = [d for d in range(1, count + 1) if count % d == 0]
+        fix = (f"--stage-cuts naming {layout.stages - 1} increasing layers from 0 to "
+               f"{count - 2}" if cfg.stage_cuts else
+               f"--pp x --stages-per-rank dividing {count}: one of {divisors}; or an uneven "
+               "split with --stage-cuts")
         raise TrainOptionError(
             f"--pp {cfg.pp}: {exc.problem}", primitive=_PRIMITIVE,
             values={"layers": count, "pp": cfg.pp, "stages_per_rank": layout.per_rank},
-            fix=f"--pp x --stages-per-rank dividing {count}: one of {divisors}") from None
+            fix=fix) from None
 
 
 def _check_tp_sizes(cfg: TrainConfig) -> None:
