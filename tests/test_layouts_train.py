@@ -13,7 +13,8 @@ so that two pipeline ranks hold two virtual stages each), written with
   and by ``torchrun --nnodes 2 --rdzv-backend c10d`` as two "nodes" of two ranks on
   localhost: the losses of the two equal each other and one process;
 * Interleaved1F1B with two virtual stages per rank (2 ranks, 4 stages);
-* bf16 under a pipeline against one process under the same autocast policy.
+* bf16 under a pipeline (autocast), and under HSDP 2 x 2 x PP 2 (8 ranks: FSDP2's
+  mixed-precision policy in each stage), against one process under bf16 autocast.
 
 Every run exports with ``--save-pretrained``: transformers loads each folder, and its
 tensors equal the reference's export. Tolerances: fp32 runs within 1e-5 relative on the
@@ -90,10 +91,13 @@ def _train(work: Path, name: str, *args: str, launcher: list[str] | None = None
 
 
 def _close(got: dict[int, dict], expected: dict[int, dict], tol: float) -> None:
+    """The losses, and the gradient norms (over every shard, stage and replica counted
+    once), within ``tol`` relative."""
     assert got and set(got) <= set(expected), (sorted(got), sorted(expected))
     for step, record in got.items():
-        want = expected[step]["loss"]
-        assert abs(record["loss"] - want) <= tol * abs(want), (step, record["loss"], want)
+        for key in ("loss", "grad_norm"):
+            want = expected[step][key]
+            assert abs(record[key] - want) <= tol * abs(want), (step, key, record[key], want)
 
 
 def _exported_equal(folder: Path, reference: Path, atol: float, share: float = 0.0) -> None:
@@ -202,3 +206,11 @@ def test_bf16_under_a_pipeline_equals_one_process_under_the_same_policy(work):
     _close(pipe, one, BF16)
     # all but 1% of the entries within 1e-3, the rest within BF16_WEIGHTS
     _exported_equal(work / "bf16-pp-hf", work / "bf16-hf", 1e-3, share=0.01)
+    # HSDP stages: FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction); each stage
+    # hands on its outputs in fp32, the dtype the next stage's buffers were sized in
+    hsdp = _train(work, "bf16-hsdp-pp", "--dtype", "bf16", "--pp", "2", "--n-microbatches",
+                  "2", "--grad-accum", "1", "--dp", "4", "--dp-mode", "hsdp", "--dp-replicate", "2",
+                  "--save-pretrained", str(work / "bf16-hsdp-pp-hf"))
+    assert sorted(hsdp) == [1, 2, 3, 4]
+    _close(hsdp, one, BF16)
+    _exported_equal(work / "bf16-hsdp-pp-hf", work / "bf16-hf", 1e-3, share=0.01)

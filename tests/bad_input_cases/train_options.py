@@ -223,8 +223,9 @@ CASES: list[tuple[Callable, type, str]] = [
      r"--batch-size 6 does not split into --dp 2 x --grad-accum 2 = 4 equal micro-batches"
      + _FIX + r"--batch-size 4 \(a multiple of 4"),
     (option_pipeline_batch_does_not_split, TrainOptionError,
-     r"the 4 sequences of a pipeline's batch \(--batch-size 8 / --dp 2\) do not split into "
-     r"--n-microbatches 3"),
+     r"the 4 sequences of a pipeline's step \(--batch-size 8 / --dp 2 / --grad-accum 1\) do "
+     r"not split into --n-microbatches 3" + _FIX + r"--batch-size 12 \(a multiple of 6\), or "
+     r"--n-microbatches dividing 4$"),
     (option_sp_without_tp, TrainOptionError,
      r"--sp: sequence parallelism needs --tp 2 or more.*values: sequence_parallel=True, "
      r"tp=1" + _FIX + r"--tp 2 --sp, or leave --sp out"),

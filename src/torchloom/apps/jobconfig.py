@@ -421,14 +421,15 @@ def _check_combinations(c: TrainConfig) -> None:
             fix=f"--batch-size {max(per_rank, c.batch_size // per_rank * per_rank)} (a "
             f"multiple of {per_rank}; in a TOML file: batch_size = ...)")
     if c.pp > 1 and c.micro_batch() % c.n_microbatches:
+        whole = c.dp * c.grad_accum * c.n_microbatches  # the smallest batch that splits
         raise TrainOptionError(
-            f"the {c.micro_batch()} sequences of a pipeline's batch (--batch-size "
-            f"{c.batch_size} / --dp {c.dp}) do not split into --n-microbatches "
-            f"{c.n_microbatches}", primitive=PRIMITIVE,
-            values={"batch_size": c.batch_size, "dp": c.dp,
+            f"the {c.micro_batch()} sequences of a pipeline's step (--batch-size "
+            f"{c.batch_size} / --dp {c.dp} / --grad-accum {c.grad_accum}) do not split into "
+            f"--n-microbatches {c.n_microbatches}", primitive=PRIMITIVE,
+            values={"batch_size": c.batch_size, "dp": c.dp, "grad_accum": c.grad_accum,
                     "n_microbatches": c.n_microbatches},
-            fix=f"--batch-size {c.dp * c.n_microbatches * max(1, c.micro_batch() // c.n_microbatches)}"
-            f" or --n-microbatches dividing {c.micro_batch()}")
+            fix=f"--batch-size {whole * max(1, -(-c.batch_size // whole))} (a multiple of "
+            f"{whole}), or --n-microbatches dividing {c.micro_batch()}")
     if c.sequence_parallel and c.tp < 2:
         raise TrainOptionError(
             "--sp: sequence parallelism needs --tp 2 or more", primitive=PRIMITIVE,

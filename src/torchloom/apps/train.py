@@ -268,7 +268,7 @@ class _Run:
 
     def grad_norm(self, params: list[nn.Parameter], tied: dict[int, int]) -> torch.Tensor:
         """The global L2 norm of the gradients: tensor-parallel shards summed over the tp
-        group, FSDP2 shards over the dp group, stages over the pp group; a weight tied
+        group, FSDP2 shards over the dp_shard group (HSDP's replicas hold them again), stages over the pp group; a weight tied
         across ``n`` stages counted once (``tied``: id -> n)."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -284,8 +284,10 @@ class _Run:
                 replicated += sq
         both = torch.stack([sharded, replicated])
         if self.fsdp:
-            with guard_collective("all_reduce", _PRIMITIVE, self.dp_group):
-                dist.all_reduce(both, group=self.dp_group)
+            # FSDP2 shards over dp_shard; HSDP's replicas hold the same shards again
+            shard_group = self.mesh.group("dp_shard") if self.mesh is not None else None
+            with guard_collective("all_reduce", _PRIMITIVE, shard_group):
+                dist.all_reduce(both, group=shard_group)
         if self.cfg.tp > 1:
             with guard_collective("all_reduce", _PRIMITIVE, self.tp_group):
                 dist.all_reduce(both[:1], group=self.tp_group)

@@ -44,6 +44,7 @@ each piece used), so two callers can be checked to have built the same thing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -337,4 +338,9 @@ def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
             if path in names:
                 units.append(path)
     done.fsdp_units += units
-    return fully_shard_model(stage, mesh, units, mp_policy=policy)
+    root = None
+    if policy is not None and policy.param_dtype is not None:
+        # what crosses between stages was sized in the parameters' dtype: a stage in
+        # bf16 compute hands on its outputs cast back to it
+        root = dataclasses.replace(policy, output_dtype=_DTYPES[done.layout.param_dtype])
+    return fully_shard_model(stage, mesh, units, mp_policy=policy, root_policy=root)
