@@ -71,7 +71,10 @@ def test_llama_recipe_lists_the_plan_as_primitives():
         "sch['model.embed_tokens'].shard('weight', 0)",
         "sch['model.embed_tokens'].sync('fwd_post', 'all_reduce')",
         f"sch['{layer}.self_attn.q_proj'].shard('weight', 0)",
-        f"sch['{layer}.self_attn.q_proj'].sync('bwd_post', 'all_reduce')",
+        # q, k and v (gate and up) read one tensor: its gradient is all-reduced once
+        f"sch['{layer}.self_attn.q_proj'].sync('bwd_post', 'all_reduce', shared=True)",
+        f"sch['{layer}.self_attn.v_proj'].sync('bwd_post', 'all_reduce', shared=True)",
+        f"sch['{layer}.mlp.up_proj'].sync('bwd_post', 'all_reduce', shared=True)",
         f"sch['{layer}.self_attn.o_proj'].shard('weight', 1)",
         f"sch['{layer}.self_attn.o_proj'].sync('fwd_post', 'all_reduce')",
         f"sch['{layer}.mlp.down_proj'].shard('weight', 1)",
@@ -133,7 +136,7 @@ def test_sequence_parallel_records_the_megatron_layout():
         f"sch['{layer}.input_layernorm'].sync('param_grad', 'all_reduce')",
         f"sch['{layer}.post_attention_layernorm'].sync('param_grad', 'all_reduce')",
         # the column modules still sum their input gradients: the gather keeps a slice
-        f"sch['{layer}.self_attn.q_proj'].sync('bwd_post', 'all_reduce')",
+        f"sch['{layer}.self_attn.q_proj'].sync('bwd_post', 'all_reduce', shared=True)",
     ]:
         assert line in lines, line
     assert f"sch['{layer}.self_attn.o_proj'].sync('fwd_post', 'all_reduce')" not in lines

@@ -13,8 +13,9 @@ encoder-decoder and a vision encoder, plus a plan passed by the user.
 
 Also: Verify's static check accepts a column-parallel Linear resharded with
 ``sync("fwd_post", "RS->SR")`` (issue 15 item 1), and the collectives per step of the
-derived and the hand-written Llama schedules (the hand-written one sums the attention
-block's input gradient once instead of once per q/k/v projection). One launch runs it all.
+derived and the hand-written Llama schedules (both sum the attention block's input
+gradient once, not once per q/k/v projection: the derived one with
+``sync("bwd_post", "all_reduce", shared=True)`` on the siblings). One launch runs it all.
 """
 
 from __future__ import annotations
@@ -179,10 +180,12 @@ def _counts(schedule: Callable[[tl.Schedule], None]) -> tuple[dict, dict]:
 # module in forward, one per region (attention, MLP) on the input gradient in backward.
 # Derived: the plan's vocabulary-parallel embedding (one all-reduce) and gathered head
 # (one all-gather; its backward keeps this rank's slice), and in backward one all-reduce
-# per column-parallel module (q, k, v, gate, up) and one for the head's input.
+# per group of column-parallel siblings reading the same input (q, k and v; gate and up:
+# shared=True) and one for the head's input. Before the siblings shared it, the backward
+# took one per column-parallel module: 5 * LAYERS + 1 (5 * LAYERS with the vocabulary whole).
 HAND = ({"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS})
-DERIVED = ({"all_reduce": 2 * LAYERS + 1, "all_gather": 1}, {"all_reduce": 5 * LAYERS + 1})
-DERIVED_WHOLE_VOCAB = ({"all_reduce": 2 * LAYERS}, {"all_reduce": 5 * LAYERS})
+DERIVED = ({"all_reduce": 2 * LAYERS + 1, "all_gather": 1}, {"all_reduce": 2 * LAYERS + 1})
+DERIVED_WHOLE_VOCAB = ({"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS})
 
 
 def _check_collective_counts(rank: int) -> None:

@@ -23,7 +23,8 @@ Operations (all differentiable, see :mod:`torchloom.runtime.collectives`):
 op                     modes                  keyword arguments
 =====================  =====================  =================================
 ``"all_reduce"``       all four               (none); ``input_name`` for
-                                              fwd_pre / bwd_post
+                                              fwd_pre / bwd_post; ``shared``
+                                              for bwd_post
 ``"all_gather"``       fwd_pre, fwd_post      ``axis`` (required),
                                               ``tensor_parallel_output_grad=True``
 ``"reduce_scatter"``   fwd_pre, fwd_post      ``axis`` (required)
@@ -43,6 +44,13 @@ differentiable: its backward is the inverse layout change.
 ``fn(module, args, kwargs) -> (args, kwargs) | None`` for fwd_pre,
 ``fn(module, args, output) -> output | None`` for fwd_post, and a full backward hook
 ``fn(module, grad_input, grad_output) -> grad_input | None`` for bwd_post.
+
+``shared=True`` (``bwd_post`` ``all_reduce`` only, on a module with a parent): the
+column-parallel siblings (children of one parent) that all carry it and are handed the
+same tensor object in one call of the parent reduce its gradient once, after autograd
+has summed their parts: q_proj, k_proj and v_proj cost one all-reduce instead of three.
+A sibling handed another tensor, or called outside its parent's forward, reduces its own;
+the result is the same either way (:mod:`torchloom.primitives.sync_shared`).
 
 A row-parallel ``nn.Linear`` or transformers ``Conv1D`` (partial output) with an
 unsharded bias given ``sync("fwd_post", "all_reduce")`` (or ``"reduce_scatter"``) reduces
@@ -93,6 +101,7 @@ from ..core.meta import shard_spec
 from ..core.placement import output_placement
 from ..core.registry import primitive
 from ..runtime import collectives as C
+from .sync_shared import SharedReduce, scope_of
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -134,11 +143,13 @@ class SyncSpec:
     axis: int | None = None
     tensor_parallel_output_grad: bool = True
     input_name: str | None = None
+    shared: bool = False
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``"fwd_post all_gather(axis=-1)"``."""
+        """A short human-readable form, e.g. ``"fwd_post all_gather(axis=-1)"`` or
+        ``"bwd_post all_reduce(shared)"``."""
         extra = f"(axis={self.axis})" if self.axis is not None else ""
-        return f"{self.mode} {self.op}{extra}"
+        return f"{self.mode} {self.op}{extra}{'(shared)' if self.shared else ''}"
 
 
 def _op_fn(spec: SyncSpec, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -211,6 +222,19 @@ def _map_input(args: tuple, kwargs: dict, input_name: str | None, position: int 
     return args, kwargs
 
 
+class _InputHook:
+    """The forward pre-hook of a ``fwd_pre`` or ``bwd_post`` sync: ``op`` on the input
+    (an object rather than a closure, so that ``copy.deepcopy`` of the model carries a
+    shared reduction's scope along consistently with its parent's hooks)."""
+
+    def __init__(self, name: str | None, position: int | None, path: str,
+                 op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.name, self.position, self.path, self.op = name, position, path, op
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _map_input(args, kwargs, self.name, self.position, self.path, self.op)
+
+
 def _map_output(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(output, torch.Tensor):
         return fn(output)
@@ -279,7 +303,7 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
             fix=f"use one of {', '.join(MODES)}, e.g. sch[{sch.path!r}].sync('fwd_post', "
             "'all_reduce')",
         )
-    allowed = {"axis", "tensor_parallel_output_grad", "input_name"}
+    allowed = {"axis", "tensor_parallel_output_grad", "input_name", "shared"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise SyncError(
@@ -338,9 +362,36 @@ def _check(sch: Schedule, mode: str, op: Any, kwargs: dict[str, Any]) -> SyncSpe
         )
     if mode == "fwd_post":
         _check_output_placement(sch, op, axis)
+    shared = kwargs.get("shared", False)
+    if "shared" in kwargs:
+        _check_shared(sch, mode, op, shared)
     return SyncSpec(mode=mode, op=op, axis=axis,
                     tensor_parallel_output_grad=kwargs.get("tensor_parallel_output_grad", True),
-                    input_name=kwargs.get("input_name"))
+                    input_name=kwargs.get("input_name"), shared=shared)
+
+
+def _check_shared(sch: Schedule, mode: str, op: str, shared: Any) -> None:
+    if not isinstance(shared, bool):
+        raise SyncError(
+            "shared must be True or False",
+            path=sch.path, primitive=NAME, values={"shared": repr(shared)},
+            fix=f"sch[{sch.path!r}].sync('bwd_post', 'all_reduce', shared=True)",
+        )
+    if shared and (mode, op) != ("bwd_post", "all_reduce"):
+        raise SyncError(
+            "shared=True shares one input-gradient all-reduce between sibling modules; "
+            f"it applies to sync('bwd_post', 'all_reduce') only, not {mode} {op}",
+            path=sch.path, primitive=NAME, values={"mode": mode, "op": op, "shared": shared},
+            fix=f"drop shared=True, or sch[{sch.path!r}].sync('bwd_post', 'all_reduce', "
+            "shared=True)",
+        )
+    if shared and sch.parent is None:
+        raise SyncError(
+            "shared=True shares the reduction between the children of one parent module, "
+            "and this module is the root of the schedule",
+            path=sch.path, primitive=NAME, values={"shared": shared},
+            fix=f"sch[{sch.path!r}].sync('bwd_post', 'all_reduce') without shared",
+        )
 
 
 def _check_output_placement(sch: Schedule, op: str, axis: int | None) -> None:
@@ -439,12 +490,13 @@ def apply(sch: Schedule, mode: str, sync_op_or_fn: str | Callable[..., Any], **k
         elif mode == "fwd_post":
             module.register_forward_hook(lambda m, args, out: _map_output(out, op))
         else:  # fwd_pre, and bwd_post (an identity whose backward runs the op)
-            name, path = spec.input_name, sch.path
+            if spec.shared:
+                assert sch.parent is not None  # _check_shared refuses the root
+                op = SharedReduce(scope_of(sch.parent.mod), id(sch.group), op)
+            name = spec.input_name
             position = _input_position(sch, name) if name is not None else None
-            module.register_forward_pre_hook(
-                lambda m, args, kw: _map_input(args, kw, name, position, path, op),
-                with_kwargs=True,
-            )
+            module.register_forward_pre_hook(_InputHook(name, position, sch.path, op),
+                                             with_kwargs=True)
     set_mark(module, SYNCS, [*get_mark(module, SYNCS, []), spec])
 
 

@@ -227,6 +227,7 @@ class _Planner(PlanChecks):
         super().__init__(sch, entries, family=family, sequence_parallel=sequence_parallel,
                          vocab_parallel=vocab_parallel)
         self.ops: list[_Op] = []
+        self.shared_parents: set[str] = set()
 
     def add(self, path: str, primitive: str, *args: Any, **kwargs: Any) -> None:
         self.ops.append(_Op(path, primitive, args, kwargs))
@@ -290,6 +291,26 @@ class _Planner(PlanChecks):
             if param is not None and not self.param_has_entry(entry.path, pname):
                 self.shard(entry, entry.path, pname, 0, chunks)
 
+    def input_grad_sync(self, path: str) -> None:
+        """The all-reduce of a column-parallel module's input gradient: ``shared=True``
+        where its parent holds other column-parallel modules (q, k and v; gate and up),
+        so that the siblings handed the same tensor reduce it once."""
+        if path.rpartition(".")[0] in self.shared_parents:
+            self.add(path, "sync", "bwd_post", "all_reduce", shared=True)
+        else:
+            self.add(path, "sync", "bwd_post", "all_reduce")
+
+    def column_siblings(self) -> set[str]:
+        """The parents of two or more column-parallel modules of the plan (the modules
+        whose input gradients the schedule all-reduces)."""
+        parents: dict[str, int] = {}
+        for e in self.entries:
+            if e.param is None and e.style in COLUMN and "." in e.path and \
+                    (self.vocab_parallel or e.path not in self.vocab_paths):
+                parent = e.path.rpartition(".")[0]
+                parents[parent] = parents.get(parent, 0) + 1
+        return {p for p, n in parents.items() if n > 1}
+
     def param_has_entry(self, path: str, pname: str) -> bool:
         return any(e.path == path and e.param == pname for e in self.entries)
 
@@ -305,7 +326,7 @@ class _Planner(PlanChecks):
                          tensor_parallel_output_grad=False)
             # inside a sequence-parallel region too: the region's gather then keeps
             # this rank's slice of a whole gradient in backward
-            self.add(path, "sync", "bwd_post", "all_reduce")
+            self.input_grad_sync(path)
         elif style in ROW:
             if module._parameters.get("weight") is not None and \
                     not self.param_has_entry(path, "weight"):
@@ -389,6 +410,7 @@ class _Planner(PlanChecks):
     def plan(self, stacks: list[str]) -> list[_Op]:
         self.sp_param_grads = []
         self.sp_regions = []
+        self.shared_parents = self.column_siblings()
         for entry in self.entries:
             self.check_style(entry)
         if self.sp:
@@ -417,7 +439,7 @@ class _Planner(PlanChecks):
         for attn in replicated:  # fewer KV heads than ranks: each shared by tp / kv ranks
             self.add(attn, "replace", replicate_kv_heads)
             for name in ("k_proj", "v_proj"):
-                self.add(f"{attn}.{name}", "sync", "bwd_post", "all_reduce")
+                self.input_grad_sync(f"{attn}.{name}")
                 self.add(f"{attn}.{name}.grad_sum", "sync", "bwd_post", "all_reduce")
         for region, input_name in self.sp_regions:  # gather each region's input
             self.add(region, "sync", "fwd_pre", "all_gather", axis=SEQ_AXIS,

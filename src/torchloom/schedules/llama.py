@@ -1,11 +1,13 @@
 """The built-in schedule of transformers Llama (``LlamaForCausalLM``, ``LlamaModel``).
 
 This hand-written schedule stays next to the one derived from transformers' plan
-(:mod:`torchloom.schedules.hf_plan`) because it needs fewer collectives: one all-reduce of
-the attention block's (MLP's) input gradient instead of one per q/k/v (gate/up)
-projection, and embedding and head kept whole. At TP=2 with 2 layers: 4 / 4 all-reduces
-per forward / backward against the derived 5 (+1 all-gather) / 11; with sequence
-parallelism 9 backward all-reduces against 15 (``tests/test_hf_plan_dist.py`` counts them).
+(:mod:`torchloom.schedules.hf_plan`) because it keeps the embedding and the head whole
+(fewer collectives), and puts the input-gradient all-reduce of the attention block (the
+MLP) on the block, once. The derived schedule sums it once too, with
+``sync("bwd_post", "all_reduce", shared=True)`` on q/k/v (gate/up), and adds the
+vocabulary-parallel embedding's and head's collectives: at TP=2 with 2 layers, 4 / 4
+all-reduces per forward / backward here against the derived 5 (+1 all-gather) / 5
+(``tests/test_hf_plan_dist.py`` counts them).
 
 Tensor parallelism gives each rank whole query heads: rank r of ``tp`` keeps query heads
 ``[r * h / tp, (r + 1) * h / tp)`` of ``h = num_attention_heads``. Grouped-query attention

@@ -17,7 +17,8 @@ the fix:
    row parallel, so it would get a slice of an activation it expects whole;
 3. **gradient left partial**: a column-parallel module (or its enclosing block) has no
    ``bwd_post`` all-reduce and no ``fwd_pre`` all-gather, so the gradient of its input
-   stays a per-rank partial sum (invisible in the forward pass);
+   stays a per-rank partial sum (invisible in the forward pass); a ``shared=True``
+   all-reduce counts (it reduces the siblings' summed parts, or the module's own);
 4. **sharded norm**: a LayerNorm / RMSNorm with a sharded weight normalises a slice of
    the features, with other statistics than the full model;
 5. **bias before reduction**: a row-parallel ``Linear`` / ``Conv1D`` whose unsharded bias
