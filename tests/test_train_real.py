@@ -15,8 +15,8 @@ text split in three. Checks that can fail independently of the training code:
 * the gradient norm reported with ``--clip-grad`` equals ``clip_grad_norm_``'s on the
   unscheduled model; ``--grad-accum 2`` gives the losses of one full batch;
 * flags override a ``--config`` TOML file; ``torchloom show`` states the size it shows.
-Multi-rank runs (tensor parallelism, FSDP2 in bf16, a pipeline with data parallelism and
-checkpoints) are marked slow.
+Multi-rank runs (tensor parallelism, FSDP2 in bf16) are marked slow; the compositions
+with pipelines are in tests/test_layouts_train.py.
 """
 
 from __future__ import annotations
@@ -258,31 +258,6 @@ def test_tensor_parallel_and_fsdp_bf16_runs_match_one_process(workspace, tmp_pat
         assert abs(one[step]["grad_norm"] - tp[step]["grad_norm"]) < 1e-5 * one[step]["grad_norm"]
         assert abs(one[step]["loss"] - fsdp[step]["loss"]) < 0.05  # bf16 compute
         assert abs(one[step]["grad_norm"] - fsdp[step]["grad_norm"]) < 0.05 * one[step]["grad_norm"]
-
-
-@pytest.mark.slow
-def test_a_pipeline_with_data_parallelism_checkpoints_and_resumes(workspace, tmp_path):
-    # The embedding is tied to the output layer, which lives on the other stage: each of
-    # the two pipelines sums the tied weight's gradient over its own pair of ranks.
-    folder = make_folder(tmp_path / "tied", tie_word_embeddings=True)
-    common = ["--model", str(folder), "--data", str(workspace / "corpus"),
-              *COMMON, "--batch-size", "8", "--clip-grad", "1e9"]
-    # the stages checkpoint half their layers (applied after the cut: tracing stops at
-    # checkpointed layers)
-    # and accumulate gradients: 1 micro-batch x 2 accumulated = 2 micro-batches a step
-    args = [*common, "--pp", "2", "--n-microbatches", "1", "--grad-accum", "2", "--dp", "2",
-            "--ckpt-ratio", "0.5", "--save-dir", str(tmp_path / "pp")]
-    single = _subprocess(tmp_path, "single", *common)
-    first = _subprocess(tmp_path, "first", *args, "--stop-after", "2")
-    assert [c.step for c in tl.list_checkpoints(tmp_path / "pp")] == [2]  # one, whole model
-    second = _subprocess(tmp_path, "second", *args, "--resume")
-    both = {**first, **second}
-    assert sorted(both) == sorted(single) == [-4, -2, 1, 2, 3, 4]
-    for step, record in single.items():
-        key = "loss" if step > 0 else "eval_loss"
-        assert abs(record[key] - both[step][key]) < 1e-5, (step, record, both[step])
-        if step > 0:  # the norm over both stages (and replicas) equals one process's
-            assert abs(record["grad_norm"] - both[step]["grad_norm"]) < 1e-5 * record["grad_norm"]
 
 
 def test_a_folder_missing_a_tensor_is_refused_unless_allow_missing_and_the_banner_says_so(
