@@ -16,8 +16,8 @@ the reference. Then:
   localhost: the losses of the two equal each other and one process;
 * Interleaved1F1B with two virtual stages per rank (2 ranks, 4 stages), half of the layers
   checkpointed, saving at step 2, resumed by 1F1B pipelines under DDP (pp 2 x dp 2);
-* bf16 under a pipeline (autocast), and under HSDP 2 x 2 x PP 2 (8 ranks: FSDP2's
-  mixed-precision policy in each stage), against one process under bf16 autocast.
+* bf16 under a pipeline (autocast), and under FSDP 2 x PP 2 (FSDP2's mixed-precision
+  policy in each stage), against one process under bf16 autocast.
 
 Every run exports with ``--save-pretrained``: transformers loads each folder, and its
 tensors equal the reference's export. Tolerances: fp32 runs within 1e-5 relative on the
@@ -232,11 +232,11 @@ def test_bf16_under_a_pipeline_equals_one_process_under_the_same_policy(work):
     _close(pipe, one, BF16)
     # all but 1% of the entries within 1e-3, the rest within BF16_WEIGHTS
     _exported_equal(work / "bf16-pp-hf", work / "bf16-hf", 1e-3, share=0.01)
-    # HSDP stages: FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduction); each stage
+    # FSDP2 stages: its MixedPrecisionPolicy (bf16 compute, fp32 reduction); each stage
     # hands on its outputs in fp32, the dtype the next stage's buffers were sized in
-    hsdp = _train(work, "bf16-hsdp-pp", "--dtype", "bf16", "--pp", "2", "--n-microbatches",
-                  "2", "--grad-accum", "1", "--dp", "4", "--dp-mode", "hsdp", "--dp-replicate", "2",
-                  "--save-pretrained", str(work / "bf16-hsdp-pp-hf"))
-    assert sorted(hsdp) == [1, 2, 3, 4]
-    _close(hsdp, one, BF16)
-    _exported_equal(work / "bf16-hsdp-pp-hf", work / "bf16-hf", 1e-3, share=0.01)
+    fsdp = _train(work, "bf16-fsdp-pp", "--dtype", "bf16", "--pp", "2", "--n-microbatches",
+                  "2", "--dp", "2", "--dp-mode", "fsdp",
+                  "--save-pretrained", str(work / "bf16-fsdp-pp-hf"))
+    assert sorted(fsdp) == [1, 2, 3, 4]
+    _close(fsdp, one, BF16)
+    _exported_equal(work / "bf16-fsdp-pp-hf", work / "bf16-hf", 1e-3, share=0.01)
