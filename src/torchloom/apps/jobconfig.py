@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..core.errors import TrainOptionError
+from ..parallel.layout import AC_MODES, DP_MODES
 
 __all__ = ["AC_MODES", "DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "LAYOUT_FIELDS",
            "RUN_FIELDS", "TrainConfig",
@@ -56,8 +57,6 @@ PRIMITIVE = "torchloom train"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16")
 DECAYS = ("cosine", "linear", "constant")
-DP_MODES = ("ddp", "fsdp", "hsdp")
-AC_MODES = ("full", "op")
 
 RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batches", "steps",
               "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",

@@ -225,13 +225,12 @@ class _Run:
         self.device = _device(cfg, rank)
         self.layout = cfg.layout()
         self.mesh = init_mesh(self.layout, device_type=cfg.device)
-        self.tp_group = self.dp_group = self.pp_group = self.stage_group = None
-        self.tp_rank = self.dp_rank = self.pp_rank = 0
+        self.tp_group = self.dp_group = self.pp_group = None
+        self.tp_rank = self.dp_rank = 0
         if self.mesh is not None:
-            self.tp_group, self.dp_group, self.pp_group, self.stage_group = (
-                self.mesh.group(d) for d in ("tp", "dp", "pp", "stage"))
-            self.tp_rank, self.dp_rank, self.pp_rank = (
-                self.mesh.local_rank(d) for d in ("tp", "dp", "pp"))
+            self.tp_group, self.dp_group, self.pp_group = (
+                self.mesh.group(d) for d in ("tp", "dp", "pp"))
+            self.tp_rank, self.dp_rank = (self.mesh.local_rank(d) for d in ("tp", "dp"))
         self.corpus = load_data(cfg)
         self.fsdp = cfg.fsdp
         self.built: Parallelized | None = None
@@ -476,12 +475,7 @@ class _Run:
         ids = self.local_batch(step)
         with self.autocast():
             loss = pipe.step(ids, target=ids)
-        value = torch.zeros((), device=self.device) if loss is None else loss.detach().clone()
-        assert self.pp_group is not None
-        # the pipeline rank of the last stage (rank 0 in ZBVZeroBubble's V)
-        last = dist.get_global_rank(self.pp_group, self.layout.stage_ranks()[-1])
-        with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
-            dist.broadcast(value, src=last, group=self.pp_group)
+        value = self.from_last_stage(None if loss is None else loss.detach().clone())
         assert self.built is not None
         self.built.reduce_gradients()  # DDP replicas of a pipeline (FSDP2 reduces itself)
         return self.dp_mean(value)
@@ -512,14 +506,19 @@ class _Run:
 
     def pipeline_eval_loss(self, pipe: Any, ids: torch.Tensor) -> torch.Tensor:
         logits = pipe(ids)
-        value = (next_token_loss(logits, ids).detach() if logits is not None
-                 else torch.zeros((), device=self.device))
+        return self.from_last_stage(None if logits is None
+                                    else next_token_loss(logits, ids).detach())
+
+    def from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
+        """A scalar the rank of the last stage computed (None elsewhere), on every rank of
+        the pipeline: the last stage's pipeline rank is ``pp - 1``, or 0 in
+        ZBVZeroBubble's V."""
+        out = torch.zeros((), device=self.device) if value is None else value
         assert self.pp_group is not None
-        # the pipeline rank of the last stage (rank 0 in ZBVZeroBubble's V)
         last = dist.get_global_rank(self.pp_group, self.layout.stage_ranks()[-1])
         with guard_collective("broadcast", _PRIMITIVE, self.pp_group):
-            dist.broadcast(value, src=last, group=self.pp_group)
-        return value
+            dist.broadcast(out, src=last, group=self.pp_group)
+        return out
 
 
 def _zoo_stacks(cfg: TrainConfig, model: nn.Module) -> list[str] | None:

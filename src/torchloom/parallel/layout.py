@@ -59,16 +59,14 @@ from typing import Any
 
 from ..core.errors import LayoutError
 from ..core.rules import checkpointed_count, even_cuts
+from ..runtime.pipeline import MULTI_STAGE, SCHEDULES, stage_rank
 
 __all__ = ["AC_MODES", "DP_MODES", "DTYPES", "Layout", "NOTATION", "OPTIMIZERS",
            "PIPELINE_SCHEDULES", "data_parallel"]
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
-                      "ZBVZeroBubble")
+PIPELINE_SCHEDULES = SCHEDULES
 """The pipeline schedules, named as ``torch.distributed.pipelining``'s classes without
-``Schedule``."""
-MULTI_STAGE = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
-"""Schedules that run several stages per pipeline rank (default 2)."""
+``Schedule`` (:data:`torchloom.runtime.pipeline.SCHEDULES`)."""
 V_SHAPED = frozenset({"ZBVZeroBubble"})
 """Schedules that place stages in a V (rank r holds stages r and 2 pp - 1 - r), with
 exactly two stages per rank."""
@@ -234,8 +232,6 @@ class Layout:
         >>> Layout(pp=2, pipeline_schedule="ZBVZeroBubble", n_microbatches=4).stage_ranks()
         [0, 1, 1, 0]
         """
-        from ..runtime.pipeline import stage_rank
-
         return [stage_rank(k, self.pp, self.pipeline_schedule) for k in range(self.stages)]
 
     def describe(self) -> str:

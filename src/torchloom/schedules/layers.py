@@ -34,9 +34,8 @@ sch['blocks'].checkpoint(ratio=0.5)
 
 from __future__ import annotations
 
-from torch import nn
-
 from ..core.errors import NoScheduleError
+from ..core.rules import layer_stacks
 from ..core.schedule import Schedule
 from ._common import finish_layers, takes
 from .config import ScheduleConfig
@@ -44,19 +43,9 @@ from .config import ScheduleConfig
 __all__ = ["layer_stack_paths", "schedule_layers"]
 
 
-def layer_stack_paths(model: nn.Module) -> list[str]:
-    """Paths of the stacks of layers: ``nn.ModuleList`` / ``nn.Sequential`` containers with
-    two or more children, all of one class, not inside another such stack (the model
-    itself counts when it is one)."""
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        if any(path == f or path.startswith(f + ".") or f == "" for f in found):
-            continue
-        if len({type(child) for child in module}) == 1:
-            found.append(path)
-    return found
+layer_stack_paths = layer_stacks
+"""The stacks of layers (:func:`torchloom.core.rules.layer_stacks`, under the name this
+package has always exported)."""
 
 
 @takes("ckpt_ratio", "compile")
