@@ -61,7 +61,7 @@ from ..core.errors import LayoutError
 from ..core.rules import checkpointed_count, even_cuts
 from ..runtime.pipeline import MULTI_STAGE, SCHEDULES, stage_rank
 
-__all__ = ["AC_MODES", "DP_MODES", "DTYPES", "Layout", "NOTATION", "OPTIMIZERS",
+__all__ = ["AC_MODES", "DP_MODES", "DTYPES", "LOSSES", "Layout", "NOTATION", "OPTIMIZERS",
            "PIPELINE_SCHEDULES", "data_parallel"]
 
 PIPELINE_SCHEDULES = SCHEDULES
@@ -72,6 +72,14 @@ V_SHAPED = frozenset({"ZBVZeroBubble"})
 exactly two stages per rank."""
 DP_MODES = ("ddp", "fsdp", "hsdp")
 AC_MODES = ("full", "op")
+LOSSES = ("full", "parallel", "chunked")
+"""How the head's cross-entropy is computed (:mod:`torchloom.parallel.loss`): ``full``,
+the model's own loss on full-vocabulary logits (transformers upcasts them to fp32);
+``parallel``, vocabulary-sharded logits under tensor parallelism and an fp32
+cross-entropy over the shards (no rank holds full logits; torchtitan's loss parallel);
+``chunked`` (the default), the cross-entropy over rows of the logits a chunk at a time
+with its gradient made in the forward (vocabulary-sharded under tensor parallelism when
+the head is not tied to the embedding): no fp32 copy of the whole logits exists."""
 DTYPES = ("fp32", "bf16", "fp16")
 #: optimizer name -> states kept per parameter (each of the parameter's dtype and size)
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
@@ -89,6 +97,10 @@ NOTATION = (
                           "every layer; acop: every layer, op-level selective"),
     ("P[/C]", "P: the dtype of the weights, gradients and optimizer state; /C: the compute "
               "dtype (autocast or FSDP2's policy); without it the layers compute in P"),
+    ("loss:M", "the loss when not chunked (the default): full (the model's own, full "
+               "logits) or parallel (vocabulary-sharded, fp32)"),
+    ("+compile +fp8 +asynctp", "torch.compile of each layer; Float8 linear layers "
+                               "(torchao); asynchronous tensor parallelism"),
 )
 
 
@@ -139,6 +151,13 @@ class Layout:
     """None (``ckpt_ratio`` decides), ``"full"`` or ``"op"``."""
     compile: bool = False
     """``torch.compile`` each layer of the stacks."""
+    loss: str = "chunked"
+    """How the cross-entropy is computed: one of :data:`LOSSES`."""
+    float8: bool = False
+    """Float8 matmuls in the layers' linear layers (torchao's float8 training; CUDA)."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism (compiled layers overlap the sequence-parallel
+    collectives with their matmuls; CUDA, needs ``sp`` and ``compile``)."""
     param_dtype: str = "fp32"
     mixed_precision: str | None = None
     reduce_dtype: str | None = None
@@ -249,7 +268,11 @@ class Layout:
         parts.append(f"ac{self.ac}" if self.ac else f"ckpt{self.ckpt_ratio:g}")
         parts.append(self.param_dtype + (f"/{self.mixed_precision}" if self.mixed_precision
                                          else ""))
-        return " ".join(parts)
+        if self.loss != "chunked":
+            parts.append(f"loss:{self.loss}")
+        extras = [name for name, on in (("compile", self.compile), ("fp8", self.float8),
+                                        ("asynctp", self.async_tp)) if on]
+        return " ".join(parts) + "".join(f" +{e}" for e in extras)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data (JSON-ready)."""
@@ -308,6 +331,20 @@ class Layout:
                 raise _fail(f"{name} is a dtype of {', '.join(DTYPES)} (or None), not "
                             f"{value!r}", {name: value},
                             f"Layout(param_dtype='fp32', {name}='bf16')")
+        if self.loss not in LOSSES:
+            raise _fail(f"unknown loss {self.loss!r}", {"loss": self.loss,
+                                                       "losses": list(LOSSES)},
+                        "Layout(loss='chunked'), 'parallel' or 'full'")
+        if self.loss == "parallel" and self.tp == 1:
+            raise _fail("loss='parallel' shards the logits over the tensor-parallel ranks; "
+                        "it needs tp > 1", {"loss": "parallel", "tp": 1},
+                        "Layout(tp=2, loss='parallel'), or loss='chunked' (the default)")
+        if self.async_tp and not (self.tp > 1 and self.sp and self.compile):
+            raise _fail("async_tp overlaps the sequence-parallel collectives inside compiled "
+                        "layers: it needs tp > 1, sp and compile",
+                        {"async_tp": True, "tp": self.tp, "sp": self.sp,
+                         "compile": self.compile},
+                        f"Layout(tp={max(2, self.tp)}, sp=True, compile=True, async_tp=True)")
         if self.optimizer not in OPTIMIZERS:
             raise _fail(f"unknown optimizer {self.optimizer!r}",
                         {"optimizer": self.optimizer, "optimizers": list(OPTIMIZERS)},
