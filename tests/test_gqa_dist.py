@@ -101,9 +101,10 @@ def _train_and_compare(name: str, kv: int, sp: bool, rank: int, group=None) -> n
     if not sp:
         assert dict(forward) == {"all_reduce": 2 * LAYERS}, (name, dict(forward))
         assert dict(backward) == {"all_reduce": 4 * LAYERS}, (name, dict(backward))
-    else:  # SP adds the norms' gradient all-reduces (2 per layer and the final norm)
-        assert backward["all_reduce"] == 2 * LAYERS + (2 * LAYERS + 1) + 2 * LAYERS, \
-            (name, dict(backward))
+    else:  # SP adds the norms' gradient all-reduces (2 per layer and the final norm); the
+        # input gradients of the attention and the MLP are reduce-scattered instead
+        assert backward["all_reduce"] == (2 * LAYERS + 1) + 2 * LAYERS, (name, dict(backward))
+        assert backward["reduce_scatter"] == 2 * LAYERS, (name, dict(backward))
     _compare(name, model, reference, tp, rank, replicas)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -35,14 +35,16 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 # Collectives per step. Megatron TP: per layer, one all-reduce after each row-parallel
 # linear in forward, one on the input gradient of each column-parallel block in backward.
 # SP: per layer, forward all-gathers before attention and MLP and reduce-scatters after
-# them (torchloom's reduce-scatter is an all-reduce plus a slice, as gloo has none);
-# backward mirrors them (all-gather's backward reduce-scatters and vice versa), plus one
+# them (a real reduce-scatter, gloo has one); backward mirrors them (all-gather's backward
+# reduce-scatters and vice versa; the final all-gather keeps its slice), plus one
 # all-reduce per replicated parameter in the sequence-parallel region.
 def expected_counts(sp: bool, sp_params: int) -> tuple[dict, dict]:
     if not sp:
         return {"all_reduce": 2 * LAYERS}, {"all_reduce": 2 * LAYERS}
-    forward = {"all_gather": 2 * LAYERS + 1, "all_reduce": 2 * LAYERS}
-    backward = {"all_reduce": 2 * LAYERS + sp_params, "all_gather": 2 * LAYERS + 1}
+    forward = {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS}
+    backward = {"reduce_scatter": 2 * LAYERS, "all_gather": 2 * LAYERS + 1}
+    if sp_params:
+        backward["all_reduce"] = sp_params
     return forward, backward
 
 

@@ -15,6 +15,11 @@ operation          forward                      backward
 ``scatter``        keep own slice of ``axis``   all-gather
 =================  ===========================  ==================================
 
+A reduce-scatter is one ``dist.reduce_scatter_single`` (gloo has it too): each rank
+receives only its slice of the sum, the bandwidth of half an all-reduce.
+:func:`count_collectives` counts each by its kind (``all_reduce``, ``all_gather``,
+``reduce_scatter``).
+
 A collective that fails (a peer died, hung past the process group's timeout, or never
 called it) raises :class:`~torchloom.core.errors.CollectiveTimeoutError` naming this rank, the
 collective and, inside a ``sync`` hook (or any :func:`collective_site` block), the schedule
@@ -199,7 +204,8 @@ def _all_gather(x: torch.Tensor, axis: int, group: Any, site: Site | None,
     return torch.cat(parts, dim=axis)
 
 
-def _split(x: torch.Tensor, axis: int, group: Any, site: Site | None) -> torch.Tensor:
+def _check_divides(x: torch.Tensor, axis: int, group: Any, site: Site | None) -> int:
+    """The group's size, after checking that it divides axis ``axis`` of ``x``."""
     size = group_size(group)
     if x.shape[axis] % size != 0:
         path, primitive = site if site is not None else (None, "scatter")
@@ -211,13 +217,29 @@ def _split(x: torch.Tensor, axis: int, group: Any, site: Site | None) -> torch.T
             fix=f"make axis {axis} a multiple of {size} (e.g. a sequence length divisible by "
             f"{size} for sequence parallelism), or split another axis",
         )
+    return size
+
+
+def _split(x: torch.Tensor, axis: int, group: Any, site: Site | None) -> torch.Tensor:
+    size = _check_divides(x, axis, group, site)
     return x.chunk(size, dim=axis)[group_rank(group)].contiguous()
+
+
+#: torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor before, now deprecated)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _reduce_scatter(x: torch.Tensor, axis: int, group: Any, site: Site | None,
                     phase: str = "") -> torch.Tensor:
-    # all-reduce then slice: gloo has no reduce-scatter; NCCL users lose a little bandwidth.
-    return _split(_all_reduce(x, group, site, phase), axis, group, site)
+    # reduce_scatter_tensor splits dim 0: move the axis there (rank r's slice of dim 0 is
+    # then its slice of the axis), and back afterwards.
+    size = _check_divides(x, axis, group, site)
+    moved = x.movedim(axis, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    _record("reduce_scatter")
+    with _guard("reduce_scatter" + phase, group, site):
+        _REDUCE_SCATTER(out, moved, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, axis).contiguous()
 
 
 _BACKWARD = " (backward)"
