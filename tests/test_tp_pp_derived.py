@@ -50,3 +50,35 @@ def test_a_derived_schedule_builds_under_a_pipeline_on_every_rank(tmp_path, rank
             assert not weight.is_meta
     finally:
         dist.destroy_process_group()
+
+
+def test_a_derived_vocab_parallel_embedding_runs_under_fsdp2() -> None:
+    """TP 2 x FSDP2 2 of a derived schedule: FSDP2 swaps the embedding's weight for its
+    gathered copy during the forward, which carries no shard spec; the vocabulary hook
+    used to refuse it ("vocab_ids_local needs the embedding's weight sharded along its
+    rows", the first step of ``torchloom train --model FOLDER --tp 2 --dp 2 --dp-mode
+    fsdp`` on four gloo ranks, 2026-12-05). One rank of the fake backend runs a training
+    step (values are not communicated: the check is that it goes through)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchloom.parallel import init_mesh
+    from torchloom.parallel.layout import Layout
+    from torchloom.parallel.parallelize import create_schedule, parallelize
+
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        layout = Layout(tp=2, dp_shard=2, seq_len=16)
+        mesh = init_mesh(layout, "cpu")
+        with tl.init_empty_weights():
+            model = transformers.Qwen2ForCausalLM(config)
+        done = parallelize(create_schedule(model, mesh), layout, mesh=mesh)
+        ids = torch.randint(0, 256, (1, 16))
+        loss = done.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        assert done.vocab_sharded and done.loss == "chunked"
+    finally:
+        dist.destroy_process_group()

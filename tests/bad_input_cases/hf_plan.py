@@ -235,5 +235,5 @@ CASES: list[tuple[Callable, type, str]] = [
      r"ckpt_ratio must be a number from 0 to 1, not 1\.5.*ckpt_ratio=1\.5"),
     (derived_schedule_unknown_knob, tl.ScheduleError,
      r"unknown knob 'fused' for the built-in schedule of Qwen2ForCausalLM.*knobs=\['tp', "
-     r"'sequence_parallel', 'ckpt_ratio', 'compile', 'vocab_parallel'\]"),
+     r"'sequence_parallel', 'ckpt_ratio', 'compile', 'vocab_parallel', 'loss_parallel'\]"),
 ]

@@ -200,6 +200,22 @@ def check_resume_from_stage_folders_of_an_older_version(tmp_path: Path):
     T.check_config(TrainConfig(pp=2, save_dir=str(tmp_path), batch_size=8, resume=True))
 
 
+def option_loss_parallel_without_tp():
+    TrainConfig(loss="parallel")
+
+
+def option_unknown_loss():
+    TrainConfig(loss="fused")
+
+
+def option_float8_on_cpu():
+    TrainConfig(float8=True)
+
+
+def option_async_tp():
+    TrainConfig(tp=2, sequence_parallel=True, async_tp=True)
+
+
 _FIX = r".*fix: "
 
 CASES: list[tuple[Callable, type, str]] = [
@@ -310,6 +326,19 @@ CASES: list[tuple[Callable, type, str]] = [
      r"--stage-cuts '0,x': must list the layers \(0-based\) after which a stage ends, "
      r"comma-separated" + _FIX + r"--stage-cuts 7,15,23 \(in a TOML file: stage_cuts = "
      r"'7,15,23'\)$"),
+    (option_loss_parallel_without_tp, TrainOptionError,
+     r"--loss parallel splits the logits between the tensor-parallel ranks: it needs --tp 2 "
+     r"or more" + _FIX + r"--tp 2 --loss parallel, or --loss chunked \(the default; in a "
+     r"TOML file: loss = 'chunked'\)$"),
+    (option_unknown_loss, TrainOptionError,
+     r"--loss 'fused': must be one of full, parallel, chunked" + _FIX + r"--loss full"),
+    (option_float8_on_cpu, TrainOptionError,
+     r"--float8: Float8 matmuls run on a CUDA GPU \(compute capability 8\.9 or more\) with "
+     r"torchao, and the device is cpu\n    values: float8=True, device='cpu'" + _FIX +
+     r"--device cuda --float8 \(pip install 'torchloom\[float8\]'\), or leave --float8 out"),
+    (option_async_tp, TrainOptionError,
+     r"--async-tp: asynchronous tensor parallelism overlaps .* torchloom train does not build "
+     r"it yet" + _FIX + r"leave --async-tp out \(in a TOML file: async_tp = false\)$"),
     (check_resume_from_stage_folders_of_an_older_version, CheckpointIOError,
      r"the save directory holds stage-0, stage-1: the per-stage checkpoints of a pipeline run "
      r"of an older torchloom, which saved each stage apart; this version saves one checkpoint "

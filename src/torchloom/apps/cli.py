@@ -180,6 +180,16 @@ def train(
                                      help="Checkpoint this fraction of the layers."),
     ac: str = typer.Option(None, help="Checkpoint every layer: full (recompute all) or op "
                            "(op-level selective: matrix products and attention kept)."),
+    loss: str = typer.Option(_train_default("loss"), help="The cross-entropy: chunked (rows "
+                             "a chunk at a time; logits split over --tp where the head "
+                             "allows), parallel (split logits, fp32; needs --tp) or full "
+                             "(the model's own)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile each layer "
+                                 "(inductor; inside its checkpoint)."),
+    float8: bool = typer.Option(False, "--float8", help="Float8 matmuls in the layers "
+                                "(torchao; CUDA, compute capability 8.9+)."),
+    async_tp: bool = typer.Option(False, "--async-tp", help="Asynchronous tensor "
+                                  "parallelism: planner only for now (refused)."),
     save_dir: str = typer.Option(None, help="Save directory: an empty or new directory, or "
                                  "one torchloom made (torchloom.save keeps the 2 newest "
                                  "checkpoints in it)."),

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..core.errors import TrainOptionError
-from ..parallel.layout import AC_MODES, DP_MODES
+from ..parallel.layout import AC_MODES, DP_MODES, LOSSES
 
 __all__ = ["AC_MODES", "DECAYS", "DEVICES", "DP_MODES", "DTYPES", "FLAGS", "LAYOUT_FIELDS",
            "RUN_FIELDS", "TrainConfig",
@@ -62,7 +62,8 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
               "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",
               "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "dp",
               "dp_mode", "dp_replicate", "pp", "pipeline_schedule", "stages_per_rank",
-              "stage_cuts", "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic")
+              "stage_cuts", "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic",
+              "loss", "float8")
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
@@ -70,10 +71,11 @@ to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the
 LAYOUT_FIELDS = ("tp", "dp", "dp_mode", "dp_replicate", "pp", "pipeline_schedule",
                  "stages_per_rank", "stage_cuts", "n_microbatches", "grad_accum",
                  "sequence_parallel",
-                 "ckpt_ratio", "ac")
+                 "ckpt_ratio", "ac", "loss")
 """The :data:`RUN_FIELDS` that only spread a step over the ranks (the same global batch,
 the same arithmetic up to reduction order): ``--resume`` into another layout reshards the
-checkpoint on load and says what changed, without ``--allow-config-change``."""
+checkpoint on load and says what changed, without ``--allow-config-change``. The loss is
+one of them: its three ways compute the same cross-entropy up to rounding."""
 
 
 def model_kind(model: str) -> str | None:
@@ -162,6 +164,18 @@ class TrainConfig:
     ac: str | None = None
     """Activation checkpointing of every layer: ``full`` (recompute all) or ``op`` (op-level
     selective: matrix products and attention kept); None: ``ckpt_ratio`` decides."""
+    loss: str = "chunked"
+    """How the cross-entropy is computed (:mod:`torchloom.ops.loss`): ``chunked`` (a
+    chunk of rows at a time, the logits split along the vocabulary under ``--tp`` where
+    the head allows it), ``parallel`` (split logits, fp32; needs ``--tp``) or ``full``
+    (the model's own, whole logits)."""
+    compile: bool = False
+    """``torch.compile`` each layer of the stacks (inductor), inside its checkpoint."""
+    float8: bool = False
+    """Float8 matmuls in the layers' linear layers (torchao; a CUDA GPU of compute
+    capability 8.9 or more)."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism: planner only for now (refused)."""
     save_dir: str | None = None
     save_every: int = 0
     """Save after every ``save_every`` steps (0: only at the end, if ``save_dir``)."""
@@ -240,6 +254,7 @@ class TrainConfig:
             n_microbatches=self.n_microbatches if self.pp > 1 else 1,
             grad_accum=self.grad_accum, micro_batch=max(1, micro), seq_len=self.seq_len,
             ckpt_ratio=self.ckpt_ratio if self.ac is None else 0.0, ac=self.ac,
+            loss=self.loss, float8=self.float8, compile=self.compile,
             mixed_precision="bf16" if self.dtype == "bf16" else None,
             reduce_dtype="fp32" if self.dtype == "bf16" else None)
 
@@ -296,11 +311,12 @@ _INTS = {  # name: (lowest allowed, what it is, example)
     "n_microbatches": (1, "the number of pipeline micro-batches", 4),
     "threads": (0, "the number of torch threads (0: automatic)", 2),
 }
-_CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES}
+_CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES,
+            "loss": LOSSES}
 _OPTIONAL_CHOICES = {"ac": AC_MODES}
 _PATHS = ("save_dir", "save_pretrained", "metrics", "tensorboard")
 _BOOLS = ("sequence_parallel", "resume", "allow_config_change", "allow_missing",
-          "deterministic", "progress")
+          "deterministic", "progress", "float8", "async_tp", "compile")
 
 
 def _validate(c: TrainConfig) -> None:
@@ -434,6 +450,26 @@ def _check_combinations(c: TrainConfig) -> None:
             "--sp: sequence parallelism needs --tp 2 or more", primitive=PRIMITIVE,
             values={"sequence_parallel": True, "tp": c.tp},
             fix="--tp 2 --sp, or leave --sp out (in a TOML file: sequence_parallel = false)")
+    if c.loss == "parallel" and c.tp < 2:
+        raise TrainOptionError(
+            "--loss parallel splits the logits between the tensor-parallel ranks: it needs "
+            "--tp 2 or more", primitive=PRIMITIVE, values={"loss": "parallel", "tp": c.tp},
+            fix="--tp 2 --loss parallel, or --loss chunked (the default; in a TOML file: "
+            "loss = 'chunked')")
+    if c.async_tp:
+        raise TrainOptionError(
+            "--async-tp: asynchronous tensor parallelism overlaps the sequence-parallel "
+            "collectives with the matmuls of compiled layers; torchloom train does not build "
+            "it yet (the planner models it: torchloom.plan with Layout(async_tp=True))",
+            primitive=PRIMITIVE, values={"async_tp": True, "device": c.device},
+            fix="leave --async-tp out (in a TOML file: async_tp = false)")
+    if c.float8 and c.device != "cuda":
+        raise TrainOptionError(
+            f"--float8: Float8 matmuls run on a CUDA GPU (compute capability 8.9 or more) "
+            f"with torchao, and the device is {c.device}", primitive=PRIMITIVE,
+            values={"float8": True, "device": c.device},
+            fix="--device cuda --float8 (pip install 'torchloom[float8]'), or leave --float8 "
+            "out (in a TOML file: float8 = false)")
     if c.dp_mode == "hsdp" and (c.dp_replicate < 2 or c.dp % c.dp_replicate or
                                 c.dp // c.dp_replicate < 2):
         raise TrainOptionError(

@@ -384,11 +384,11 @@ class _Run:
         cfg = self.cfg
         model, weights = make_model(cfg, self.device)
         sch = create_schedule(model, self.mesh)
-        example = loss_fn = None
+        example = None
         if cfg.pp > 1:
             micro = data.window_batch(self.corpus.train, 0, self.layout.micro_batch,
                                       cfg.seq_len, cfg.seed).to(self.device)
-            example, loss_fn = {"input_ids": micro}, next_token_loss
+            example = {"input_ids": micro}  # the last stage computes the layout's loss
 
         def seed() -> None:
             if cfg.model_kind != "zoo":
@@ -397,7 +397,7 @@ class _Run:
         inner = usercode.inner_module(model)
         built = parallelize(
             sch, self.layout, mesh=self.mesh, device=self.device, weights=weights,
-            strict=not cfg.allow_missing, example_inputs=example, loss_fn=loss_fn,
+            strict=not cfg.allow_missing, example_inputs=example,
             schedule_at="model" if inner is not model else "",
             stacks=_zoo_stacks(cfg, model), before_build=seed)
         self.built = built
@@ -505,9 +505,10 @@ class _Run:
         return self.dp_mean(total / count)
 
     def pipeline_eval_loss(self, pipe: Any, ids: torch.Tensor) -> torch.Tensor:
+        assert self.built is not None
         logits = pipe(ids)
         return self.from_last_stage(None if logits is None
-                                    else next_token_loss(logits, ids).detach())
+                                    else self.built.next_token_loss(logits, ids).detach())
 
     def from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """A scalar the rank of the last stage computed (None elsewhere), on every rank of
@@ -554,6 +555,8 @@ def _check_finite(value: float, step: int, optimizer: torch.optim.Optimizer,
 
 
 def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The causal-LM loss transformers computes from ``labels``, on the last stage."""
+    """The causal-LM loss transformers computes from ``labels``, from whole logits (a
+    pipeline's last stage computes the layout's, :attr:`Parallelized.next_token_loss`;
+    this is its ``loss="full"``)."""
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.size(-1)).float(), target[:, 1:].reshape(-1))

@@ -41,6 +41,9 @@ from .jobconfig import FLAGS, LAYOUT_FIELDS, PRIMITIVE, TrainConfig
 __all__ = ["check_run_dir", "compare", "run_config"]
 
 _DEFAULTS = TrainConfig().run_fields()
+#: what an older torchloom computed for a field it did not record (not today's default):
+#: the model's own loss, before ``--loss``
+_LEGACY = {"loss": "full"}
 
 
 def run_config(cfg: TrainConfig, recipe: str) -> dict[str, Any]:
@@ -102,14 +105,15 @@ def compare(saved: dict[str, Any] | None, now: dict[str, Any], name: str, save_d
             recipe: bool = True) -> list[str]:
     """Refuse to resume a checkpoint saved by a run of another configuration; return the
     layout changes it accepts (``"tp: 2 -> 1"``). A field the checkpoint lacks (saved by
-    an older torchloom) counts as its default. When the layout changed, the recipe is not
+    an older torchloom) counts as its default, or as what that torchloom computed
+    (``loss``: ``"full"``, the model's own). When the layout changed, the recipe is not
     compared: it changes with the layout (a tensor-parallel degree adds shards)."""
     if saved is None:
         raise CheckpointMismatchError(
             f"checkpoint {name!r} holds no run configuration (it was not written by "
             "torchloom train)", primitive=PRIMITIVE, values={"save_dir": save_dir},
             fix="resume it anyway: add --allow-config-change")
-    saved = {**{k: v for k, v in _DEFAULTS.items() if k in now}, **saved}
+    saved = {**{k: _LEGACY.get(k, v) for k, v in _DEFAULTS.items() if k in now}, **saved}
     keys = [k for k in now if recipe or k != "recipe"]
     if recipe:
         keys += [k for k in saved if k not in now]

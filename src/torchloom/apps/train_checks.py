@@ -195,6 +195,14 @@ def _check_device(cfg: TrainConfig) -> None:
             f"({torch.__version__})", primitive=_PRIMITIVE,
             values={"device": "cuda", "torch": torch.__version__},
             fix="--device cpu (in a TOML file: device = 'cpu')")
+    if cfg.float8:  # what the device lacks (TrainConfig refused --float8 off CUDA)
+        from ..parallel.float8 import FIX, float8_problem
+
+        problem = float8_problem(cfg.device)
+        if problem is not None:
+            raise TrainOptionError(f"--float8: {problem[0]}", primitive=_PRIMITIVE,
+                                   values={"float8": True, **problem[1]},
+                                   fix=f"{FIX} (leave --float8 out)")
 
 
 def check_launch(cfg: TrainConfig, torchrun: bool) -> None:

@@ -221,6 +221,8 @@ def layout_text(cfg: TrainConfig) -> str:
     'tp2+sp x dp2 (fsdp), 8 sequences a step = 2 ranks x 2 micro-steps x 2'
     >>> layout_text(TrainConfig(pp=2, batch_size=8))
     'pp2 (1F1B, 4 micro-batches), 8 sequences a step'
+    >>> layout_text(TrainConfig(tp=2, loss="parallel"))
+    'tp2, 8 sequences a step, loss parallel'
     """
     parts = []
     if cfg.tp > 1:
@@ -241,6 +243,10 @@ def layout_text(cfg: TrainConfig) -> str:
     if cfg.pp == 1 and (cfg.dp > 1 or cfg.grad_accum > 1):
         text += (f" = {_plural_text(cfg.dp, 'rank')} x {_plural_text(cfg.grad_accum, 'micro-step')}"
                  f" x {cfg.micro_batch()}")
+    if cfg.loss != "chunked":  # the default is not named
+        text += f", loss {cfg.loss}"
+    if cfg.float8:
+        text += ", float8"
     return text
 
 

@@ -356,3 +356,11 @@ class DivideAttrsError(ScheduleError):
 
 
 __all__ += ["DivideAttrsError"]
+
+
+class LossError(ScheduleError):
+    """A loss mode (:data:`torchloom.parallel.layout.LOSSES`) that cannot apply to this
+    model, these logits or this process group (:mod:`torchloom.ops.loss`)."""
+
+
+__all__ += ["LossError"]

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["CHECKPOINTED", "COMPILED", "FOREIGN_IDS", "FORK_RNG", "KEY_ORDER", "LEAF", "META",
-           "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "get_mark",
+           "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "WEIGHT_SPEC", "get_mark",
            "has_mark", "mark_attr", "marks_of", "pop_mark", "set_mark", "transfer_hooks"]
 
 #: A module's list of :class:`~torchloom.primitives.sync.SyncSpec` (``sync``).
@@ -45,6 +45,9 @@ TIED_KEYS = "tied_keys"
 PRETRAINED_INFO = "pretrained_info"
 #: Ids of tensors a derived schedule's module holds that are not its own.
 FOREIGN_IDS = "foreign_ids"
+#: The shard spec of a module's weight, kept on the module for hooks that run while FSDP2
+#: has swapped the weight for its gathered (spec-less) copy.
+WEIGHT_SPEC = "weight_spec"
 
 _PREFIX = "_torchloom_"
 

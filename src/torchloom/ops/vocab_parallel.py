@@ -266,10 +266,26 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,
     return F.linear(C.copy_to_group(hidden, group), weight)
 
 
-def _all_reduce_in_place(x: torch.Tensor, op: Any, group: Any, world_size: int) -> None:
+def _all_reduce_in_place(x: torch.Tensor, op: Any, group: Any, world_size: int,
+                         primitive: str = "vocab_parallel_cross_entropy") -> None:
+    """Reduce ``x`` over ``group`` in place (nothing for a world of one), counted by
+    :func:`~torchloom.runtime.collectives.count_collectives` as an ``all_reduce``."""
     if world_size > 1:
-        with C.guard_collective("all_reduce", "vocab_parallel_cross_entropy", group):
+        C._record("all_reduce")
+        with C.guard_collective("all_reduce", primitive, group):
             dist.all_reduce(x, op=op, group=group)
+
+
+def _target_logits(shifted: torch.Tensor, target: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(local_target, foreign, picked)`` for logits columns ``[start, start + V_local)``:
+    the target's local column (0 where another rank owns it), whether another rank owns
+    it, and the target's entry of ``shifted`` (0 where foreign)."""
+    local_vocab = shifted.shape[-1]
+    foreign = (target < start) | (target >= start + local_vocab)
+    local_target = (target - start).masked_fill(foreign, 0)
+    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+    return local_target, foreign, picked.masked_fill(foreign, 0.0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -286,10 +302,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - row_max.unsqueeze(-1)
         exp = shifted.exp()
 
-        foreign = (target < start) | (target >= start + local_vocab)
-        local_target = (target - start).masked_fill(foreign, 0)
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        picked = picked.masked_fill(foreign, 0.0)
+        local_target, foreign, picked = _target_logits(shifted, target, start)
         # One all-reduce for both sums: [sum of exp, target logit (owner only)].
         sums = torch.stack([exp.sum(dim=-1), picked], dim=-1)
         _all_reduce_in_place(sums, dist.ReduceOp.SUM, group, world_size)

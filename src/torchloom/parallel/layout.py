@@ -59,6 +59,7 @@ from typing import Any
 
 from ..core.errors import LayoutError
 from ..core.rules import checkpointed_count, even_cuts
+from ..ops.loss import LOSSES
 from ..runtime.pipeline import MULTI_STAGE, SCHEDULES, stage_rank
 
 __all__ = ["AC_MODES", "DP_MODES", "DTYPES", "LOSSES", "Layout", "NOTATION", "OPTIMIZERS",
@@ -72,14 +73,6 @@ V_SHAPED = frozenset({"ZBVZeroBubble"})
 exactly two stages per rank."""
 DP_MODES = ("ddp", "fsdp", "hsdp")
 AC_MODES = ("full", "op")
-LOSSES = ("full", "parallel", "chunked")
-"""How the head's cross-entropy is computed (:mod:`torchloom.parallel.loss`): ``full``,
-the model's own loss on full-vocabulary logits (transformers upcasts them to fp32);
-``parallel``, vocabulary-sharded logits under tensor parallelism and an fp32
-cross-entropy over the shards (no rank holds full logits; torchtitan's loss parallel);
-``chunked`` (the default), the cross-entropy over rows of the logits a chunk at a time
-with its gradient made in the forward (vocabulary-sharded under tensor parallelism when
-the head is not tied to the embedding): no fp32 copy of the whole logits exists."""
 DTYPES = ("fp32", "bf16", "fp16")
 #: optimizer name -> states kept per parameter (each of the parameter's dtype and size)
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}

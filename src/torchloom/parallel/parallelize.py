@@ -9,7 +9,12 @@ uses) are applied in one place. In order:
    transformers' tensor-parallel plan, or the automatic one; :func:`torchloom.schedules.apply_schedule`)
    at degree ``layout.tp``, over the schedule's group, which must be the mesh's ``tp``
    group (:func:`create_schedule` makes it so). Skipped with ``apply_schedule=False``
-   (the caller applied its own primitives).
+   (the caller applied its own primitives). **Loss parallelism** (the schedule's
+   ``loss_parallel`` knob: the head split along the vocabulary, its logits not gathered)
+   with ``layout.loss="parallel"``, and with ``"chunked"`` (the default) wherever it
+   applies: ``tp > 1``, the model's schedule takes the knob, its head is not tied to the
+   embedding and the degree divides its vocabulary (otherwise the logits stay whole:
+   :func:`loss_plan`).
 2. Context and expert parallelism: refused by the :class:`~torchloom.parallel.layout.Layout`
    until they are built.
 3. **Pipeline cuts** (``pp > 1``): the model is traced down to the layers of its first
@@ -20,7 +25,10 @@ uses) are applied in one place. In order:
 4. **Activation checkpointing**: the first ``ckpt_ratio`` of every stack's layers, or
    all of them under ``ac="full"`` (recompute everything) or ``ac="op"`` (op-level
    selective), with the ``checkpoint`` primitive.
-5. **Compile** (``layout.compile``): each layer of the stacks, with ``compile``.
+5. **Compile** (``layout.compile``): each layer of the stacks, with ``compile``. Float8
+   (``layout.float8``, CUDA and torchao: :mod:`torchloom.parallel.float8`) has by then
+   replaced the layers' linear layers (after step 2); ``layout.async_tp`` is refused
+   (planner only for now).
 6. **Build**: materialise (``weights``: each rank reads its own slices), then the data
    parallelism, per pipeline stage: FSDP2 ``fully_shard`` of each layer and of the root
    (of each stage module under a pipeline) over ``dp_shard`` (HSDP: the 2-D
@@ -28,17 +36,23 @@ uses) are applied in one place. In order:
    over the ``dp`` group without FSDP (under a pipeline, :meth:`Parallelized.reduce_gradients`
    averages the gradients after each step).
 
+After the build, the loss: :func:`~torchloom.ops.loss.set_loss` makes a
+transformers causal LM compute ``layout.loss`` (over the tensor-parallel group when the
+logits are split), and a pipeline's last stage computes
+:attr:`Parallelized.next_token_loss` unless the caller gave its own ``loss_fn``.
+
 Everything it did is recorded in the :class:`Parallelized` it returns (the modules it
 checkpointed, the layers after which stages end, the FSDP2 units, the mesh dimension
-each piece used), so two callers can be checked to have built the same thing.
+each piece used, the loss and whether the logits are split), so two callers can be
+checked to have built the same thing.
 
 >>> import torch
 >>> from torchloom.parallel.layout import Layout
 >>> from torchloom.schedules import zoo
 >>> model = zoo.make_model("llama")
 >>> done = parallelize(create_schedule(model, None), Layout(ckpt_ratio=0.5))
->>> done.stacks, done.checkpointed
-(['model.layers'], ['model.layers.0'])
+>>> done.stacks, done.checkpointed, done.loss, done.vocab_sharded
+(['model.layers'], ['model.layers.0'], 'chunked', False)
 """
 
 from __future__ import annotations
@@ -53,20 +67,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import LayoutError
+from ..core.errors import LayoutError, ModelSizeError
 from ..core.marks import CHECKPOINTED, has_mark
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
 from ..core.schedule import create_schedule as _create_schedule
+from ..ops.loss import is_causal_lm, next_token_loss, set_loss
 from ..runtime.build import build
+from ..runtime.causal_mask import unpacked_sequences
 from ..runtime.collectives import guard_collective
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
-from ..schedules._common import node_at
+from ..schedules._common import loss_parallel_head, node_at
+from .float8 import FIX as FLOAT8_FIX
+from .float8 import apply_float8, float8_problem
 from .layout import Layout
 from .mesh import PIECES
 
-__all__ = ["Parallelized", "create_schedule", "mp_policy", "parallelize"]
+__all__ = ["Parallelized", "create_schedule", "loss_plan", "mp_policy", "parallelize"]
 
 _PRIMITIVE = "parallelize"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,10 +121,32 @@ class Parallelized:
     """Piece -> the mesh dimension its collectives use (pieces in use only)."""
     ties: dict[int, int] = field(default_factory=dict)
     """id(parameter) -> the number of pipeline stages holding a copy of it."""
+    loss: str = "full"
+    """The loss the step computes (:data:`~torchloom.parallel.layout.LOSSES`): the
+    layout's, or ``"full"`` where the model's own loss stays (not a transformers causal
+    LM, a module inside a wrapper that computes the loss, a caller's ``loss_fn``)."""
+    vocab_sharded: bool = False
+    """Whether each tensor-parallel rank's logits hold only its ``V / tp`` columns."""
+    float8: list[str] = field(default_factory=list)
+    """The linear layers made torchao ``Float8Linear`` (``layout.float8``)."""
 
     @property
     def fsdp(self) -> bool:
         return self.layout.dp_shard > 1
+
+    @property
+    def loss_group(self) -> Any:
+        """The group the logits' vocabulary is split over (None: whole logits)."""
+        if not self.vocab_sharded or self.mesh is None:
+            return None
+        return self.mesh.group("tp")
+
+    @property
+    def next_token_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The loss of ``(logits, input_ids)`` (each position predicts the next token) for
+        the logits this build makes: :func:`torchloom.ops.loss.next_token_loss` of
+        :attr:`loss` over :attr:`loss_group` (a pipeline's last stage computes it)."""
+        return next_token_loss(self.loss, self.loss_group)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -154,7 +194,21 @@ def _fail(problem: str, values: dict[str, Any], fix: str) -> LayoutError:
     return LayoutError(problem, primitive=_PRIMITIVE, values=values, fix=fix)
 
 
-def _check(sch: Schedule, layout: Layout, mesh: Mesh | None) -> None:
+ASYNC_TP_PROBLEM = ("asynchronous tensor parallelism (overlapping the sequence-parallel "
+                    "collectives with the matmuls of compiled layers) is modelled by the "
+                    "planner only for now: parallelize does not build it")
+
+
+def _check(sch: Schedule, layout: Layout, mesh: Mesh | None,
+           device: str | torch.device) -> None:
+    if layout.async_tp:
+        raise _fail(ASYNC_TP_PROBLEM, {"async_tp": True},
+                    "Layout(async_tp=False) to build and train; plan with async_tp=True")
+    if layout.float8:
+        problem = float8_problem(device)
+        if problem is not None:
+            raise _fail(problem[0], {"float8": True, **problem[1]},
+                        f"{FLOAT8_FIX}: Layout(float8=False)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layout.check_world(world)
     if world > 1 and mesh is None:
@@ -168,13 +222,67 @@ def _check(sch: Schedule, layout: Layout, mesh: Mesh | None) -> None:
                     "torchloom.parallel.create_schedule(model, mesh)")
 
 
-def _apply_schedule(root: Schedule, layout: Layout, knobs: dict[str, Any]) -> None:
+def _schedule_fn(root: Schedule) -> Callable[..., None] | None:
     from .. import schedules
 
     try:
-        fn = schedules.schedule_for(root.mod)
+        return schedules.schedule_for(root.mod)
     except Exception:  # noqa: BLE001 - no schedule: only the layout's own steps apply
-        fn = None
+        return None
+
+
+def loss_plan(sch: Schedule, layout: Layout, *, schedule_at: str = "",
+              apply_schedule: bool = True, own_loss_fn: bool = False) -> tuple[str, bool]:
+    """``(loss, vocab_sharded)``: the loss :func:`parallelize` gives the model of ``sch``
+    under ``layout`` and whether its logits are split along the vocabulary. Refuses
+    ``loss="parallel"`` where the logits cannot be split (naming why and the fix);
+    ``"chunked"`` then keeps whole logits, and a model whose loss cannot be replaced
+    keeps its own (``"full"``).
+
+    >>> from torchloom.schedules import zoo
+    >>> loss_plan(create_schedule(zoo.make_model("llama"), None), Layout())
+    ('chunked', False)
+    >>> loss_plan(create_schedule(zoo.make_model("bert"), None), Layout())
+    ('full', False)
+    """
+    root = node_at(sch, schedule_at)
+    mode = layout.loss
+    causal = schedule_at == "" and not own_loss_fn and (layout.pp > 1 or is_causal_lm(root.mod))
+    if mode == "full" or layout.tp == 1:
+        return (mode if causal else "full"), False
+    why: tuple[str, dict[str, Any], str] | None = None
+    fn = _schedule_fn(root) if apply_schedule else None
+    if not causal:
+        why = ("the model's loss is its own (not a transformers causal LM at the root, or "
+               "the caller's loss_fn), so its logits must stay whole",
+               {"model": type(root.mod).__name__, "schedule_at": schedule_at,
+                "own_loss_fn": own_loss_fn}, "Layout(loss='chunked') or loss='full'")
+    elif fn is None or "loss_parallel" not in getattr(fn, "knobs", ()):
+        why = (f"the schedule of {type(root.mod).__name__} keeps the head whole (it takes no "
+               "loss_parallel knob)", {"model": type(root.mod).__name__,
+                                       "apply_schedule": apply_schedule},
+               "Layout(loss='chunked') (whole logits, chunked), or a schedule that splits "
+               "the head (register_schedule with @takes(..., 'loss_parallel'))")
+    else:
+        try:
+            loss_parallel_head(root, "parallelize")
+        except ModelSizeError:
+            if mode == "parallel":
+                raise
+            why = ("", {}, "")
+    if why is None:
+        return mode, True
+    if mode == "parallel":
+        problem, values, fix = why
+        raise _fail(f"loss='parallel' splits the logits along the vocabulary, and {problem}",
+                    {"loss": "parallel", **values}, fix)
+    return (mode if causal else "full"), False
+
+
+def _apply_schedule(root: Schedule, layout: Layout, knobs: dict[str, Any]) -> None:
+    from .. import schedules
+
+    fn = _schedule_fn(root)
     if fn is None:
         if layout.tp > 1:
             raise _fail(f"{type(root.mod).__name__} has no schedule to spread over "
@@ -201,7 +309,8 @@ def _cut(sch: Schedule, layout: Layout, stacks: list[str], example_inputs: Any) 
     stack = stacks[0]
     count = len(sch[stack].child)
     layout.check_layers(count)
-    sch.trace_until(f"{stack}.*", example_inputs=example_inputs)
+    with unpacked_sequences():  # SDPA's causal kernel, no mask sent between stages
+        sch.trace_until(f"{stack}.*", example_inputs=example_inputs)
     cut_after = [f"{stack}.{cut}" for cut in layout.cuts(count)]
     for path in cut_after:
         sch[path].cut_pipeline_stage()
@@ -253,7 +362,9 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
             of ``weights``; a pipeline rank only its stages').
         example_inputs: with ``pp > 1``: keyword inputs of one micro-batch (what crosses
             between stages is sized on it; ``input_ids`` is the pipeline's input).
-        loss_fn: with ``pp > 1``: ``loss_fn(logits, target)`` on the last stage.
+        loss_fn: with ``pp > 1``: ``loss_fn(logits, target)`` on the last stage (default:
+            :attr:`Parallelized.next_token_loss`, the layout's loss; a caller's own
+            loss keeps the logits whole).
         schedule_at: the path of the module whose schedule applies (a user's module
             inside a wrapper that adds the loss).
         apply_schedule: apply the model's schedule (step 1); False when the caller
@@ -266,26 +377,34 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
     Raises:
         LayoutError: the degrees do not multiply to the world size, the schedule's group
             is not the layout's tensor parallelism, the layers do not split into the
-            stages, a pipeline without example inputs or loss.
+            stages, a pipeline without example inputs, ``loss="parallel"`` where the
+            logits cannot be split (:func:`loss_plan`).
     """
-    _check(sch, layout, mesh)
+    _check(sch, layout, mesh, device)
     root = node_at(sch, schedule_at)
     done = Parallelized(model=None, module=sch.mod, schedule=sch, layout=layout, mesh=mesh)
-    # 1. tensor and sequence parallelism: the model's schedule over the tp group
+    done.loss, done.vocab_sharded = loss_plan(sch, layout, schedule_at=schedule_at,
+                                              apply_schedule=apply_schedule,
+                                              own_loss_fn=loss_fn is not None)
+    # 1. tensor and sequence parallelism (and loss parallelism): the model's schedule
     if apply_schedule:
-        _apply_schedule(root, layout, dict(knobs or {}))
+        more = {"loss_parallel": True} if done.vocab_sharded else {}
+        _apply_schedule(root, layout, {**(knobs or {}), **more})
     if layout.tp > 1:
         done.groups["schedule"] = PIECES["schedule"]
     # 2. context and expert parallelism: refused by Layout.check until built
     done.stacks = _stacks(sch, schedule_at, stacks)
+    # (Float8: the layers' linear layers, after their shards and syncs, with replace)
+    if layout.float8:
+        done.float8 = apply_float8(sch, done.stacks)
     # 3. pipeline cuts, on the traced top, before checkpointing hides the layers
     if layout.pp > 1:
-        if example_inputs is None or loss_fn is None:
-            raise _fail("a pipeline needs one micro-batch of example inputs and a loss",
-                        {"example_inputs": example_inputs is not None,
-                         "loss_fn": loss_fn is not None},
-                        "parallelize(sch, layout, example_inputs={'input_ids': ids}, "
-                        "loss_fn=next_token_loss)")
+        if example_inputs is None:
+            raise _fail("a pipeline needs one micro-batch of example inputs",
+                        {"example_inputs": False},
+                        "parallelize(sch, layout, example_inputs={'input_ids': ids})")
+        if loss_fn is None:  # the layout's next-token loss, on the logits this build makes
+            loss_fn = done.next_token_loss
         done.cut_after = _cut(sch, layout, done.stacks, example_inputs)
         done.groups["pipeline"] = PIECES["pipeline"]
     # 4. activation checkpointing
@@ -324,6 +443,8 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         done.fsdp_units = units
         built = fully_shard_model(built, mesh, units, mp_policy=policy)
     done.model = built
+    if done.loss != "full" or done.vocab_sharded:
+        set_loss(root.mod, done.loss, done.loss_group)
     return done
 
 

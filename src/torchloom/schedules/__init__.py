@@ -28,8 +28,12 @@ schedules stay because they beat the derived one where both apply:
   all-reduce and one all-gather per forward, one more all-reduce per backward). Measured
   at TP=2 with 2 layers (tests/test_hf_plan_dist.py), collectives per forward / backward:
   hand-written 4 / 4 all-reduces, derived 5 + 1 all-gather / 11 (10 with
-  ``vocab_parallel=False``); with sequence parallelism 4 + 5 all-gathers / 9 + 5 against
-  5 + 6 / 15 + 5;
+  ``vocab_parallel=False``); with sequence parallelism the hand-written schedule
+  reduce-scatters 4 times and all-gathers 5 times per forward, and its backward mirrors
+  them plus 5 all-reduces of the norms' gradients (tests/test_tp_models_dist.py);
+* Llama and the derived schedules take ``loss_parallel`` (the untied head split along
+  the vocabulary, its logits not gathered; ``torchloom.parallelize`` turns it on for
+  ``Layout.loss`` "parallel", and for the default "chunked" where the head allows);
 * GPT-2, BERT, OPT, T5, ViT: transformers declares no plan for them (GPT-2's fused q/k/v
   is a ``Conv1D`` its styles do not cover).
 

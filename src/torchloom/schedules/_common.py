@@ -10,6 +10,12 @@ and whose last module is row parallel (input features split, partial output):
   the block all-gathers its input (``fwd_pre``, backward reduce-scatters) and the row
   module reduce-scatters its output; parameters used on sequence slices (norms, the row
   bias) get their gradients all-reduced (``param_grad``).
+
+Loss parallelism (the ``loss_parallel`` knob): the head (the model's output embedding, a
+``Linear`` not tied to the input embedding) is column parallel along the vocabulary and
+its output stays split, so no rank holds whole logits; :func:`loss_parallel_head` checks
+the model allows it, :func:`install_sharded_loss` makes the model's loss take the split
+logits.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ import difflib
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
+from torch import nn
+
 from ..core.errors import ModelSizeError, PathError
 from ..core.schedule import Schedule, ScheduleGroup, join_path
 from ..graph.graph_module import is_conv1d
+from ..primitives._common import tied_names
 from .config import KNOBS, ScheduleConfig, ScheduleConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["column", "row", "region", "region_syncs", "sp_norms", "sp_final_norm",
            "finish_layers", "check_knobs", "check_tp_sizes", "takes", "tp_divisors", "SEQ_AXIS",
-           "node_at"]
+           "node_at", "loss_parallel_head", "install_sharded_loss"]
 
 SEQ_AXIS = 1  # activations are (batch, sequence, hidden)
 
@@ -103,12 +112,86 @@ def sp_norms(nodes: Sequence[Schedule | ScheduleGroup]) -> None:
         node.sync("param_grad", "all_reduce")
 
 
-def sp_final_norm(node: Schedule | ScheduleGroup) -> None:
+def sp_final_norm(node: Schedule | ScheduleGroup, split_head: bool = False) -> None:
     """The last norm of a sequence-parallel model: it runs on sequence slices (its
     gradients are all-reduced) and its output is gathered whole for the head. Every rank
-    then computes the same head, so the gather's backward keeps this rank's slice."""
+    then computes the same head, so the gather's backward keeps this rank's slice; a head
+    split along the vocabulary (``split_head``, loss parallelism) gives each rank a part
+    of the gradient, so the gather's backward reduce-scatters it."""
     sp_norms([node])
-    node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=False)
+    node.sync("fwd_post", "all_gather", axis=SEQ_AXIS, tensor_parallel_output_grad=split_head)
+
+
+_WHOLE_LOGITS = ("or keep whole logits: drop loss_parallel (a Layout's loss='chunked' falls "
+                 "back to whole logits by itself)")
+
+
+def loss_parallel_head(sch: Schedule, primitive: str) -> str:
+    """The path of the head that loss parallelism splits along the vocabulary over
+    ``sch``'s group: the model's output embedding (``get_output_embeddings()``), an
+    ``nn.Linear`` not tied to another module, with a vocabulary the group's size divides,
+    in a model whose causal-LM loss can be replaced
+    (:func:`torchloom.ops.loss.is_causal_lm`). Refuses
+    anything else with a :class:`~torchloom.core.errors.ModelSizeError`, before any
+    primitive is applied.
+
+    >>> import torch, torchloom as tl, transformers
+    >>> config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32,
+    ...     num_attention_heads=2, num_hidden_layers=1, vocab_size=64, tie_word_embeddings=True)
+    >>> loss_parallel_head(tl.create_schedule(transformers.LlamaForCausalLM(config)), "demo")
+    Traceback (most recent call last):
+    ...
+    torchloom.core.errors.ModelSizeError: sch['lm_head'].demo(...): loss parallelism splits the head lm_head along the vocabulary, and its weight is tied to model.embed_tokens: only an untied head is split
+        values: head='lm_head', tied_to='model.embed_tokens'
+        fix: untie it (config.tie_word_embeddings = False before the model is made), or keep whole logits: drop loss_parallel (a Layout's loss='chunked' falls back to whole logits by itself)
+    """
+    model = sch.mod
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        head = getter() if callable(getter) else None
+    except Exception:  # noqa: BLE001 (not implemented by every model)
+        head = None
+    from ..ops.loss import is_causal_lm
+
+    path = next((p for p, m in model.named_modules() if head is not None and m is head), None)
+    if not isinstance(head, nn.Linear) or path is None or not is_causal_lm(model):
+        raise ModelSizeError(
+            "loss parallelism splits the model's head (its output embedding, a Linear) "
+            f"along the vocabulary and replaces its loss, and {type(model).__name__} has "
+            "no such head or no transformers causal-LM loss_function", path=sch.path,
+            primitive=primitive, values={"model": type(model).__name__,
+                                         "head": type(head).__name__ if head is not None
+                                         else None},
+            fix=f"schedule the ...ForCausalLM model; {_WHOLE_LOGITS}")
+    full = join_path(sch.path, path)
+    others = [name.rpartition(".")[0] for _, _, name in tied_names(model, head.weight)
+              if name.rpartition(".")[0] != path]
+    if others:
+        raise ModelSizeError(
+            f"loss parallelism splits the head {full} along the vocabulary, and its weight "
+            f"is tied to {others[0]}: only an untied head is split", path=full,
+            primitive=primitive,
+            values={"head": full, "tied_to": others[0]},
+            fix=f"untie it (config.tie_word_embeddings = False before the model is made), "
+            f"{_WHOLE_LOGITS}")
+    world, vocab = sch.world_size, head.out_features
+    if vocab % world:
+        raise ModelSizeError(
+            f"loss parallelism splits the head {full} along the vocabulary over {world} "
+            f"ranks, and its {vocab} outputs do not divide by {world}", path=full,
+            primitive=primitive, values={"vocab_size": vocab, "tp_degree": world},
+            fix=f"pad the vocabulary: model.resize_token_embeddings("
+            f"{-(-vocab // world) * world}); {_WHOLE_LOGITS}")
+    return path
+
+
+def install_sharded_loss(sch: Schedule) -> None:
+    """Make the model's loss take logits split along the vocabulary over ``sch``'s group
+    (the chunked cross-entropy of :mod:`torchloom.ops.loss`): its own loss would read
+    them as whole. ``torchloom.parallelize`` then installs the layout's loss."""
+    from ..ops.loss import set_loss
+
+    set_loss(sch.mod, "chunked", sch.group)
 
 
 def finish_layers(stack: Schedule | ScheduleGroup, config: ScheduleConfig) -> None:

@@ -7,7 +7,7 @@ any primitive is applied; what depends on the model (sizes the degree must divid
 checked by the schedule itself.
 
 >>> ScheduleConfig(tp=2, sequence_parallel=True, ckpt_ratio=0.5)
-ScheduleConfig(tp=2, sequence_parallel=True, ckpt_ratio=0.5, compile=False, attention='model', fused=False, vocab_parallel=True)
+ScheduleConfig(tp=2, sequence_parallel=True, ckpt_ratio=0.5, compile=False, attention='model', fused=False, vocab_parallel=True, loss_parallel=False)
 >>> ScheduleConfig(ckpt_ratio=2)
 Traceback (most recent call last):
 torchloom.core.errors.ScheduleConfigError: schedules.apply_schedule(...): ckpt_ratio must be a number from 0 to 1, not 2
@@ -51,6 +51,11 @@ class ScheduleConfig:
     """The fused MLP kernels of :mod:`torchloom.ops` (GPT-2 and BERT; not with tp)."""
     vocab_parallel: bool = True
     """Derived schedules: split the embeddings and the head between the ranks too."""
+    loss_parallel: bool = False
+    """Split the head (``lm_head``, untied) along the vocabulary and keep its output split:
+    each rank's logits hold ``V / tp`` columns, for a vocabulary-parallel loss
+    (:mod:`torchloom.ops.loss`; the schedule installs it as the model's
+    ``loss_function``). Llama's and the derived schedules; needs tp."""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str, str]] = [
@@ -67,6 +72,8 @@ class ScheduleConfig:
              "apply_schedule(sch, fused=True)"),
             ("vocab_parallel", isinstance(self.vocab_parallel, bool), "True or False",
              "apply_schedule(sch, tp=2, vocab_parallel=False)"),
+            ("loss_parallel", isinstance(self.loss_parallel, bool), "True or False",
+             "apply_schedule(sch, tp=2, loss_parallel=True)"),
         ]
         for name, ok, what, fix in checks:
             if not ok:
@@ -83,6 +90,12 @@ class ScheduleConfig:
                 "sequence parallelism splits the activations between tensor-parallel regions; "
                 "it needs tp=True (a degree above 1)", primitive=_PRIMITIVE, values={"sequence_parallel": True, "tp": 1},
                 fix="apply_schedule(sch, tp=True, sequence_parallel=True)")
+        if self.loss_parallel and self.tp == 1:
+            raise ScheduleConfigError(
+                "loss parallelism splits the logits between tensor-parallel ranks; it needs "
+                "tp=True (a degree above 1)", primitive=_PRIMITIVE,
+                values={"loss_parallel": True, "tp": 1},
+                fix="apply_schedule(sch, tp=True, loss_parallel=True)")
         if self.fused and self.tp > 1:
             raise ScheduleConfigError(
                 "the fused blocks compute their projections without calling the projection "

@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.marks import FOREIGN_IDS, pop_mark, set_mark, transfer_hooks
+from ..core.marks import FOREIGN_IDS, WEIGHT_SPEC, get_mark, pop_mark, set_mark, transfer_hooks
 from ..core.meta import ShardSpec, get_meta, shard_spec
 from ..core.refs import schedule_safe
 from ..core.schedule import Schedule
 from ..primitives._common import tied_names
-from ._common import SEQ_AXIS, finish_layers, takes, tp_divisors
+from ._common import SEQ_AXIS, finish_layers, install_sharded_loss, takes, tp_divisors
 from .config import ScheduleConfig
 from .hf_plan_checks import PlanChecks, has_own_params
 from .hf_plan_read import (
@@ -83,9 +83,12 @@ __all__ = ["PlanError", "PlanEntry", "MlaKvAProjection", "SUPPORTED_STYLES",
 
 
 def _weight_spec(module: nn.Module) -> ShardSpec | None:
-    """The shard spec of ``module.weight`` (None: not sharded, or not a tensor)."""
+    """The shard spec of ``module.weight`` (None: not sharded, or not a tensor). Under
+    FSDP2 the weight a forward sees is the gathered parameter, which carries no spec: the
+    one :func:`whole_sizes` kept on the module when the schedule was applied answers."""
     weight = module.weight
-    return shard_spec(weight) if isinstance(weight, torch.Tensor) else None
+    found = shard_spec(weight) if isinstance(weight, torch.Tensor) else None
+    return found if found is not None else get_mark(module, WEIGHT_SPEC)
 
 
 @schedule_safe
@@ -149,6 +152,7 @@ def whole_sizes(old: nn.Module) -> nn.Module:
     vocabulary size of the loss). Returns the same module."""
     spec = _weight_spec(old)
     if spec is not None:
+        set_mark(old, WEIGHT_SPEC, spec)
         first, second = spec.full_shape[:2]
         if isinstance(old, nn.Linear):
             old.out_features, old.in_features = first, second
@@ -223,9 +227,10 @@ class _Planner(PlanChecks):
     """Turns the matched plan into a list of primitive calls, checking everything first."""
 
     def __init__(self, sch: Schedule, entries: list[PlanEntry], *, family: str,
-                 sequence_parallel: bool, vocab_parallel: bool) -> None:
+                 sequence_parallel: bool, vocab_parallel: bool,
+                 loss_parallel: bool = False) -> None:
         super().__init__(sch, entries, family=family, sequence_parallel=sequence_parallel,
-                         vocab_parallel=vocab_parallel)
+                         vocab_parallel=vocab_parallel, loss_parallel=loss_parallel)
         self.ops: list[_Op] = []
         self.shared_parents: set[str] = set()
 
@@ -320,7 +325,7 @@ class _Planner(PlanChecks):
         module = self.root.get_submodule(path) if path else self.root
         if style in COLUMN:
             self.column(entry, module, chunks=2 if style == "packed_colwise" else entry.chunks)
-            if style in GATHERED:
+            if style in GATHERED and not self.is_loss_head(path):  # loss parallel: split
                 self.add(path, "replace", whole_sizes)
                 self.add(path, "sync", "fwd_post", "all_gather", axis=-1,
                          tensor_parallel_output_grad=False)
@@ -418,7 +423,8 @@ class _Planner(PlanChecks):
         replicated = self.kv_replicated()
         for entry in self.entries:
             module = self.root.get_submodule(entry.path) if entry.path else self.root
-            if not self.vocab_parallel and entry.path in self.vocab_paths:
+            if not self.vocab_parallel and entry.path in self.vocab_paths and \
+                    not self.is_loss_head(entry.path):
                 continue
             parent, _, name = entry.path.rpartition(".")
             if parent in replicated and name in ("k_proj", "v_proj"):
@@ -461,12 +467,14 @@ class _Planner(PlanChecks):
 
 
 def _check_knob_types(sch: Schedule, tp: Any, sequence_parallel: Any, ckpt_ratio: Any,
-                      compile: Any, vocab_parallel: Any, plan: Any) -> ScheduleConfig:
+                      compile: Any, vocab_parallel: Any, plan: Any,
+                      loss_parallel: Any = False) -> ScheduleConfig:
     if not isinstance(tp, bool):
         raise PlanError("tp must be True or False", path=sch.path, primitive=PRIMITIVE,
                         values={"tp": repr(tp)}, fix="from_hf_plan(sch, tp=True)")
     config = ScheduleConfig(tp=2 if tp else 1, sequence_parallel=sequence_parallel,
-                            ckpt_ratio=ckpt_ratio, compile=compile, vocab_parallel=vocab_parallel)
+                            ckpt_ratio=ckpt_ratio, compile=compile, vocab_parallel=vocab_parallel,
+                            loss_parallel=loss_parallel)
     if plan is not None and not (isinstance(plan, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in plan.items())):
         raise PlanError("plan must map module or parameter paths (with * for a layer "
@@ -480,7 +488,8 @@ def _check_knob_types(sch: Schedule, tp: Any, sequence_parallel: Any, ckpt_ratio
 def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False,
                  ckpt_ratio: float = 0.0, compile: bool | str = False, *,
                  vocab_parallel: bool = True, plan: dict[str, str] | None = None,
-                 pipeline_stages: int = 1, example_inputs: Any = None) -> None:
+                 pipeline_stages: int = 1, example_inputs: Any = None,
+                 loss_parallel: bool = False) -> None:
     """Apply the tensor-parallel schedule that ``sch.mod``'s transformers plan describes
     (see the module docstring for each style), then cut ``pipeline_stages`` stages in the
     pipeline plan's stack of layers (``trace_until`` with ``example_inputs``, the batch
@@ -492,9 +501,12 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
     unchanged): the knobs, every style, the module types, and the sizes the ranks must
     split (heads and KV heads by config field, the vocabulary, the MLP's features).
     ``plan`` replaces the model's own plan (keys are paths from ``sch``'s module).
+    ``loss_parallel``: the (untied) head stays split along the vocabulary, its logits not
+    gathered (its input gradient all-reduced, also under sequence parallelism), and the
+    model's loss becomes the vocabulary-parallel chunked one.
     """
     config = _check_knob_types(sch, tp, sequence_parallel, ckpt_ratio, compile,
-                               vocab_parallel, plan)
+                               vocab_parallel, plan, loss_parallel)
     if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or \
             pipeline_stages < 1:
         raise PlanError("pipeline_stages must be a positive integer", path=sch.path,
@@ -525,7 +537,8 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
                 fix="schedule the model the plan belongs to (its ...ForCausalLM or base "
                 "model), or pass plan= with this module's paths")
         planner = _Planner(sch, entries, family=family,
-                           sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+                           sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                           loss_parallel=loss_parallel)
         ops = planner.plan(stacks)
     if (ckpt_ratio or compile is not False) and not stacks:
         raise PlanError(
@@ -548,13 +561,15 @@ def from_hf_plan(sch: Schedule, tp: bool = True, sequence_parallel: bool = False
             sch[cut].cut_pipeline_stage()
     for stack in stacks:
         finish_layers(sch[stack], config)
+    if tp and loss_parallel:
+        install_sharded_loss(sch)
 
 
-@takes("tp", "sequence_parallel", "ckpt_ratio", "compile", "vocab_parallel")
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile", "vocab_parallel", "loss_parallel")
 def schedule_hf_plan(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """The built-in schedule of a model class with no hand-written one and a transformers
     tensor-parallel plan: :func:`from_hf_plan` with the knobs of every built-in schedule
     (``tp`` off unless asked, as in the others)."""
     from_hf_plan(sch, tp=config.tp_over(sch), sequence_parallel=config.sequence_parallel,
                  ckpt_ratio=config.ckpt_ratio, compile=config.compile,
-                 vocab_parallel=config.vocab_parallel)
+                 vocab_parallel=config.vocab_parallel, loss_parallel=config.loss_parallel)

@@ -33,7 +33,7 @@ from typing import Any
 from torch import nn
 
 from ..core.schedule import Schedule
-from ._common import node_at, tp_divisors
+from ._common import loss_parallel_head, node_at, tp_divisors
 from .hf_plan_read import (
     COLUMN,
     EMBEDDING,
@@ -90,7 +90,8 @@ class PlanChecks:
     what they find (see the module docstring). The planner subclasses it."""
 
     def __init__(self, sch: Schedule, entries: list[PlanEntry], *, family: str,
-                 sequence_parallel: bool, vocab_parallel: bool) -> None:
+                 sequence_parallel: bool, vocab_parallel: bool,
+                 loss_parallel: bool = False) -> None:
         self.sch = sch
         self.root = sch.mod
         self.world = sch.world_size
@@ -110,6 +111,10 @@ class PlanChecks:
         self.sp_end = ""
         self.planned_paths = {e.path for e in entries if e.param is None}
         self.vocab_paths = self._vocab_paths()
+        # loss parallelism: the head (its path) is split along the vocabulary, not gathered
+        self.loss_head: str | None = None
+        if loss_parallel:
+            self.loss_head = self.check_loss_head()
 
     # ---------------------------------------------------------------- errors
 
@@ -163,6 +168,24 @@ class PlanChecks:
         return paths
 
     # ---------------------------------------------------------------- checks
+
+    def check_loss_head(self) -> str:
+        """The head loss parallelism splits (untied, a vocabulary the degree divides; see
+        :func:`~torchloom.schedules._common.loss_parallel_head`), which the plan must
+        split column-wise."""
+        path = loss_parallel_head(self.sch, PRIMITIVE)
+        if not any(e.path == path and e.param is None and e.style in COLUMN
+                   for e in self.entries):
+            raise self.error(
+                f"loss parallelism splits the head {path} along the vocabulary, and the "
+                "plan does not split it column-wise", None,
+                f"add it to the plan: plan={{..., '{path}': 'colwise_gather_output'}}; or "
+                "drop loss_parallel", path=path, style=None)
+        return path
+
+    def is_loss_head(self, path: str) -> bool:
+        """Whether ``path`` is the head loss parallelism keeps split."""
+        return self.loss_head is not None and path == self.loss_head
 
     def check_style(self, entry: PlanEntry) -> None:
         style = entry.style

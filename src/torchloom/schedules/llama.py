@@ -2,7 +2,8 @@
 
 This hand-written schedule stays next to the one derived from transformers' plan
 (:mod:`torchloom.schedules.hf_plan`) because it keeps the embedding and the head whole
-(fewer collectives), and puts the input-gradient all-reduce of the attention block (the
+(fewer collectives; the ``loss_parallel`` knob splits an untied head along the
+vocabulary, for a loss over split logits), and puts the input-gradient all-reduce of the attention block (the
 MLP) on the block, once. The derived schedule sums it once too, with
 ``sync("bwd_post", "all_reduce", shared=True)`` on q/k/v (gate/up), and adds the
 vocabulary-parallel embedding's and head's collectives: at TP=2 with 2 layers, 4 / 4
@@ -67,6 +68,8 @@ from ._common import (
     check_tp_sizes,
     column,
     finish_layers,
+    install_sharded_loss,
+    loss_parallel_head,
     node_at,
     region,
     region_syncs,
@@ -239,15 +242,24 @@ def kv_replicas(sch: Schedule) -> int:
     return replicas
 
 
-@takes("tp", "sequence_parallel", "ckpt_ratio", "compile")
+@takes("tp", "sequence_parallel", "ckpt_ratio", "compile", "loss_parallel")
 def schedule_llama(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> None:
     """Megatron TP (and SP) over attention (q/k/v -> o) and the gated MLP
     (gate/up -> down), KV heads replicated where there are fewer than ranks, then
-    checkpoint the first ``ckpt_ratio`` of the layers."""
+    checkpoint the first ``ckpt_ratio`` of the layers.
+
+    The embedding and the head stay whole, or with ``loss_parallel`` the (untied) head is
+    column parallel along the vocabulary and its logits stay split: its input gradient is
+    all-reduced (``bwd_post``), or under sequence parallelism reduce-scattered by the
+    final norm's gather, and the model's loss becomes the vocabulary-parallel chunked one
+    (:func:`~torchloom.schedules._common.install_sharded_loss`)."""
     tp, sequence_parallel = config.tp_over(sch), config.sequence_parallel
     base = "model." if "model" in sch.child else ""
+    head = None
     if tp:
         replicas = kv_replicas(sch)  # before any primitive: a refusal changes nothing
+        if config.loss_parallel:
+            head = loss_parallel_head(sch, "schedules.schedule_llama")
         for layer in sch[f"{base}layers.*"]:
             attn = node_at(layer, "self_attn")
             if replicas == 1:
@@ -268,5 +280,11 @@ def schedule_llama(sch: Schedule, config: ScheduleConfig = ScheduleConfig()) -> 
             # and the causal mask from the embedding output's sequence length.
             sch[f"{base}layers.0"].sync("fwd_pre", "scatter", axis=SEQ_AXIS,
                                         input_name="hidden_states")
-            sp_final_norm(sch[f"{base}norm"])
+            sp_final_norm(sch[f"{base}norm"], split_head=head is not None)
+        if head is not None:
+            column(node_at(sch, head))
+            if not sequence_parallel:
+                sch[head].sync("bwd_post", "all_reduce")
     finish_layers(sch[f"{base}layers"], config)
+    if head is not None:
+        install_sharded_loss(sch)
