@@ -18,6 +18,8 @@
 #   3. `torchloom bench --device cuda --size gpu` for each model (about 300M parameters,
 #      1024 tokens, bf16 autocast; the activation budget and max batch fill the device;
 #      the checkpoint ratios 0 / 0.5 / 1 are fitted and the candidates timed).
+#   3b. benchmarks/plan_vs_gpu.py: a 1B-class Llama trained a few steps at two layouts,
+#      the planner's peak reserved memory and tokens/s against the measured ones.
 #
 # Knobs (environment): MODELS (gpt2,llama), SIZE (gpu), BUDGET_GB (40), MAX_BATCH (64),
 # STEPS (3), SWEEP_STEPS (1), DEADLINE_S (450), TEST_LIMIT_S (170), OUT (/tmp/torchloom-gpu-check).
@@ -127,6 +129,17 @@ for name in "${NAMES[@]}"; do
     esac
 done
 
+# ------------------------------------------------------------------ 3b. plan vs measured
+LIMIT=$(( $(left) - 20 ))
+stage "planner vs this device: a 1B-class Llama at two layouts (limit ${LIMIT} s)"
+if [ "$LIMIT" -gt 30 ]; then
+    DRY=(); [ "$DRY_RUN" = 1 ] && DRY=(--dry-run)
+    timeout --kill-after=10 "$LIMIT" $PY benchmarks/plan_vs_gpu.py "${DRY[@]}" 2>&1 \
+        | grep -v '^\[rank' | tee "$OUT/plan-vs-gpu.md"
+else
+    echo "no time left" | tee "$OUT/plan-vs-gpu.md"
+fi
+
 # ------------------------------------------------------------------ 4. the table (last)
 stage "summary"
 TEST_LINE="$TEST_LINE" TOTAL_S=$(( $(date +%s) - START )) OUT="$OUT" MODELS="$MODELS" \
@@ -173,6 +186,11 @@ if not rows:
 print()
 for n in notes:
     print(f"* {n}")
+plan = os.path.join(out, "plan-vs-gpu.md")
+if os.path.exists(plan):
+    print()
+    print("planner vs measured (benchmarks/plan_vs_gpu.py):")
+    print(open(plan).read().strip())
 if rows:
     print(f"* MFU: FlopCounterMode FLOPs of the unscheduled model / (median step x "
           f"{rows[0]['peak_flops_per_s'] / 1e12:,.3g} TFLOP/s, the best matmul rate measured in "

@@ -448,10 +448,12 @@ def test_errors_are_schedule_errors():
 
 
 def test_op_policy_recomputes_no_matmul_and_keeps_the_gradients():
-    """``policy="op"`` (torchtitan's op-level selective checkpointing) keeps the outputs
-    of the matrix products: the backward recomputes none (0 extra FLOPs, where a full
-    recompute re-runs one matmul per block), only the cheap ops (ReLU, dropout, with the
-    same random mask), and the gradients equal the unscheduled model's bit for bit."""
+    """``policy="op"`` (torchtitan's op-level selective checkpointing) keeps the output of
+    each block's first matrix product (the odd ones are saved): the backward recomputes
+    no matmul (0 extra FLOPs, where a full recompute re-runs one matmul per block; the
+    second product's output is not needed by any backward), only the cheap ops (ReLU,
+    dropout, with the same random mask), and the gradients equal the unscheduled
+    model's bit for bit."""
     base, full, op = mlp_stack(), mlp_stack(), mlp_stack()
     tl.create_schedule(full).checkpoint(ratio=1)
     tl.create_schedule(op).checkpoint(ratio=1, policy="op")
@@ -464,6 +466,64 @@ def test_op_policy_recomputes_no_matmul_and_keeps_the_gradients():
         torch.manual_seed(3)  # the dropout masks
         model(x).sum().backward()
         grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_op_policy_recomputes_every_other_linear_product():
+    """Four products per block, each followed by a ReLU whose backward needs it: the
+    first and third outputs are kept, the second recomputed (one matmul of the block's
+    forward FLOPs again), the fourth's output is needed by its ReLU too: recomputed.
+    Two of four products recomputed, against all four under full checkpointing."""
+    torch.manual_seed(0)
+
+    def block() -> nn.Sequential:
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(H, H), nn.ReLU())])
+
+    base = nn.Sequential(*[block() for _ in range(L)])
+    full, op = copy.deepcopy(base), copy.deepcopy(base)
+    tl.create_schedule(full).checkpoint(ratio=1)
+    tl.create_schedule(op).checkpoint(ratio=1, policy="op")
+    one = 2 * B * H * H  # one product's forward FLOPs
+    x = torch.randn(B, H)
+
+    def flops(model: nn.Module) -> int:
+        with FlopCounterMode(display=False) as counter:
+            model(x).sum().backward()
+        return counter.get_total_flops()
+
+    assert flops(full) == flops(base) + L * 4 * one
+    assert flops(op) == flops(base) + L * 2 * one
+    grads = []
+    for model in (base, op):
+        model.zero_grad()
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_op_policy_on_a_transformers_llama_equals_no_checkpointing():
+    """Per-op selective checkpointing of every layer of a default-config Llama (sizes
+    shrunk) changes no number: the loss and every gradient equal the plain model's bit
+    for bit."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).train()
+    op = copy.deepcopy(base)
+    tl.create_schedule(op)["model.layers"].checkpoint(ratio=1, policy="op")
+    ids = torch.randint(0, 128, (2, 16))
+    losses, grads = [], []
+    for model in (base, op):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.equal(losses[0], losses[1])
     for got, want in zip(grads[1], grads[0], strict=True):
         assert torch.equal(got, want)
 

@@ -74,8 +74,10 @@ def test_fsdp_under_a_pipeline_hsdp_and_virtual_stages_are_predicted():
     full, op, plain = (predict(big, Layout(**kw, micro_batch=8, seq_len=128))
                        for kw in ({"ac": "full"}, {"ac": "op"}, {}))
     assert full.peak <= op.peak <= plain.peak and full.peak < plain.peak
-    # op-level selective recomputes no matrix product: the FLOPs of no checkpointing
-    assert op.flops_per_step == plain.flops_per_step < full.flops_per_step
+    # op-level selective (torchtitan's policy, measured) recomputes some of the linear
+    # products (every other one whose output a backward needs), full all of them
+    assert plain.flops_per_step < op.flops_per_step < full.flops_per_step
+    assert op.model_flops_per_step == plain.model_flops_per_step == full.model_flops_per_step
 
 
 def test_planner_and_parallelize_count_the_same_checkpointed_layers():
@@ -161,7 +163,7 @@ def test_an_extrapolated_micro_batch_equals_a_measured_one():
 # ---- composed predictions against independent counts -------------------------------------
 
 def test_tensor_parallel_bytes_are_megatrons():
-    lay = Layout(tp=2, micro_batch=2, n_microbatches=2, seq_len=SEQ)
+    lay = Layout(tp=2, micro_batch=2, n_microbatches=2, seq_len=SEQ, loss="full")
     pred = predict("llama", lay, "h100-80gb")
     cfg = model_spec("llama").config
     activation = lay.micro_batch * SEQ * cfg.hidden_size * 4
@@ -169,6 +171,13 @@ def test_tensor_parallel_bytes_are_megatrons():
     # input gradients), per micro-batch
     expected = 4 * cfg.num_hidden_layers * activation * lay.n_microbatches
     assert pred.roles[0].collective_bytes() == {("all_reduce", "tp"): expected}
+    # the default loss splits the head along the vocabulary: its input gradient is one
+    # more all-reduce per micro-batch, the loss's row maxima and sums (fp32) two more
+    sharded = predict("llama", lay.replace(loss="chunked"), "h100-80gb")
+    rows = lay.micro_batch * SEQ
+    loss_rows = rows * 4 + rows * 2 * 4
+    assert sharded.roles[0].collective_bytes() == {
+        ("all_reduce", "tp"): expected + (activation + loss_rows) * lay.n_microbatches}
 
 
 def test_data_parallel_bytes_are_the_gradients():

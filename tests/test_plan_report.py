@@ -168,15 +168,18 @@ def test_every_token_of_a_layout_name_is_in_the_legend():
                 "accumN": r"accum\d+",
                 "dpN(ddp|fsdp|hsdp RxS)": r"dp\d+\((ddp|fsdp|hsdp \d+x\d+)\)",
                 "mbN": r"mb\d+", "ckptR|acfull|acop": r"(ckpt[\d.]+|acfull|acop)",
-                "P[/C]": r"(fp32|bf16|fp16)(/\w+)?"}
+                "P[/C]": r"(fp32|bf16|fp16)(/\w+)?", "loss:M": r"loss:(full|parallel)",
+                "+compile +fp8 +asynctp": r"( \+compile)?( \+fp8)?( \+asynctp)?"}
     assert [token for token, _ in NOTATION] == list(patterns)
     text = legend()
     for token, meaning in NOTATION:
         assert token in text and meaning in text
     p = list(patterns.values())
-    whole = f"{p[0]}( {p[1]})?( {p[2]})? {p[3]} {p[4]} {p[5]} {p[6]}"
+    whole = f"{p[0]}( {p[1]})?( {p[2]})? {p[3]} {p[4]} {p[5]} {p[6]}( {p[7]})?{p[8]}"
     for lay in (Layout(tp=2, sp=True, dp_shard=4, micro_batch=4, n_microbatches=2,
                        ckpt_ratio=1.0, mixed_precision="bf16"),
+                Layout(tp=2, sp=True, compile=True, float8=True, async_tp=True,
+                       loss="parallel"),
                 Layout(pp=2, n_microbatches=4, ckpt_ratio=0.5, param_dtype="bf16"),
                 Layout(pp=2, n_microbatches=4, pipeline_schedule="Interleaved1F1B",
                        dp_replicate=2, dp_shard=2, ac="op")):

@@ -99,6 +99,9 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
                      f"{layout.param_dtype}"
     if layout.mixed_precision not in (None, "fp32", "bf16"):
         return None, f"torchloom train has no {layout.mixed_precision} autocast"
+    if layout.async_tp:
+        return None, "torchloom train does not build asynchronous tensor parallelism yet " \
+                     "(the planner models it); plan without --async-tp for a command"
     bf16 = layout.mixed_precision == "bf16"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
                               "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
@@ -152,6 +155,12 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
         flags += ["--ckpt-ratio", f"{layout.ckpt_ratio:g}"]
     if bf16:
         flags += ["--dtype", "bf16"]
+    if layout.loss != "chunked":
+        flags += ["--loss", layout.loss]
+    for on, flag in ((layout.compile, "--compile"), (layout.float8, "--float8"),
+                     (layout.async_tp, "--async-tp")):
+        if on:
+            flags.append(flag)
     flags += ["--device", device]
     world = layout.world
     nodes = max(1, -(-world // gpus_per_node))
@@ -439,6 +448,17 @@ def plan_command(
                               "bf16-params (everything bf16). Default: bf16 where the device "
                               "has it, else fp16 (fp32 on a CPU)."),
     optimizer: str = typer.Option("adamw", help="adamw, adam, sgd-momentum or sgd."),
+    loss: str = typer.Option("chunked", "--loss", help="The cross-entropy: chunked "
+                             "(torchloom's default: over row chunks, vocabulary-sharded "
+                             "under TP), parallel (vocabulary-sharded fp32 logits, "
+                             "torchtitan's loss parallel; TP only) or full (the model's own "
+                             "loss on full fp32 logits)."),
+    compile_: bool = typer.Option(False, "--compile", help="torch.compile each layer (its "
+                                  "effect is a documented assumption of the planner)."),
+    float8: bool = typer.Option(False, "--float8", help="Float8 linear layers (torchao; a "
+                                "documented assumption of the planner)."),
+    async_tp: bool = typer.Option(False, "--async-tp", help="Asynchronous tensor "
+                                  "parallelism (needs --tp > 1, --sp and --compile)."),
     top: int = typer.Option(5, min=1, help="Layouts printed by a search."),
     measure_top: int = typer.Option(0, "--measure-top", min=0, help="After a search, train "
                                     "the N best predicted layouts that fit for a few steps "
@@ -480,7 +500,9 @@ def plan_command(
         spec = code_spec(model, seq_len=seq_len)
     else:
         spec = model_spec(model, size=size, seq_len=seq_len)
-    common = dict(param_dtype=param_dtype, mixed_precision=mixed, optimizer=optimizer)
+    common = dict(param_dtype=param_dtype, mixed_precision=mixed, optimizer=optimizer,
+                  compile=compile_, float8=float8)
+    extra = dict(loss=loss, async_tp=async_tp)
     degrees = _degrees(gpus, tp, pp, dp)
     device = "cpu" if profile.name.startswith("local-cpu") else "cuda"
     payload: dict[str, Any]
@@ -504,7 +526,7 @@ def plan_command(
                              pipeline_schedule=pipeline_schedule,
                              stages_per_rank=stages_per_rank, micro_steps=local // mb,
                              micro_batch=mb, seq_len=seq_len, ckpt_ratio=ckpt_ratio or 0.0,
-                             ac=ac, **common)
+                             ac=ac, **common, **extra)
         if layout.stage_cuts is not None:
             console.print(f"note: {spec.num_layers} layers do not split evenly into "
                           f"{layout.stages} stages: cut after layers {list(layout.stage_cuts)}"
@@ -523,7 +545,8 @@ def plan_command(
         cmd, why = train_command(spec, layout, device, profile.gpus_per_node)
         console.print(f"train it: {cmd}" if cmd else f"torchloom train cannot run it: {why}")
         console.print(legend(), markup=False, highlight=False)
-        payload = pred.to_dict()
+        payload = {"peak_gib": pred.peak / GIB,
+                   "tokens_per_s_per_gpu": pred.tokens_per_s_per_gpu, **pred.to_dict()}
         if plot:
             plot_roles(pred, plot)
             console.print(f"wrote {plot}")
@@ -536,7 +559,8 @@ def plan_command(
             TimeElapsedColumn,
         )
 
-        space: dict[str, Any] = dict(common, tp=tp, pp=pp, dp=dp, dp_mode=dp_mode, sp=sp,
+        space: dict[str, Any] = dict(common, **extra, tp=tp, pp=pp, dp=dp,
+                                     dp_mode=dp_mode, sp=sp,
                                      dp_replicate=dp_replicate, ac=ac,
                                      pipeline_schedule=pipeline_schedule,
                                      stages_per_rank=stages_per_rank)

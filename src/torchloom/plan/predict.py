@@ -22,12 +22,9 @@ What the composition models beyond the measured pieces:
   gradient all-reduce across the replicas (``dp_replicate``) included;
 * **activation checkpointing**: the first ``ckpt_ratio`` of the layers (the rule
   :func:`~torchloom.core.rules.checkpointed_count`, as the ``checkpoint`` primitive
-  wraps them), every layer under ``ac="full"``; ``ac="op"`` (op-level selective: matrix
-  products and attention saved, the element-wise operators recomputed) is modelled
-  between a plain and a checkpointed layer: a layer keeps :data:`OP_SAVED` of what a
-  plain layer saves beyond a checkpointed one, executes a plain layer's FLOPs (no matrix
-  product is recomputed) and spends :data:`OP_RECOMPUTE` of a checkpointed layer's
-  extra backward time recomputing the element-wise operators;
+  wraps them), every layer under ``ac="full"``; ``ac="op"`` (op-level selective,
+  torchtitan's policy: ``checkpoint(policy="op")``) is measured, its checkpointed layers
+  run under that policy;
 * **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
   (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
   schedule step as :func:`torchloom.parallelize` builds it.
@@ -139,22 +136,62 @@ OPTIMIZER_OPS = 12
 """Operators a single-tensor Adam/AdamW step dispatches per parameter tensor."""
 
 
-def _seconds(seg: SegmentCost, profile: Profile) -> float:
+CAUSAL_SHARE = 0.5
+"""The share of a causal attention's counted FLOPs its kernel executes: flash and
+memory-efficient attention skip the blocks above the diagonal (FlopCounterMode counts the
+whole score matrix). Time only: MFU keeps the counted FLOPs, as torchtitan's does."""
+COMPILE_TRAFFIC = 0.5
+"""``compile``: the share of an eager layer's element-wise memory traffic a compiled layer
+moves (inductor fuses chains of element-wise operators and normalisations into single
+kernels, which read their inputs and write their outputs once). An assumption, not
+measured: on these CPUs compile is not faster, and the GPU run measures it."""
+FLOAT8_CAST = 0.75
+"""``float8``: bytes moved to cast a linear product's operands to FP8 (torchao's dynamic
+scaling reads the bf16 tensors for their amax and again to cast, and writes one byte per
+element), per byte the bf16 product moves; the product itself runs at the profile's fp8
+peak with the same efficiency. The layers' linear products only (torchao leaves the output
+layer in bf16). An assumption, not measured."""
+ASYNC_TP_HIDDEN = 0.8
+"""``async_tp``: the share of the sequence-parallel all-gathers and reduce-scatters that
+overlap the matrix products they feed or follow (the collectives are split and pipelined
+with the product's chunks). An assumption, not measured."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How the layers' operators run: compiled, with Float8 linear products."""
+
+    compile: bool = False
+    float8: bool = False
+
+
+def _seconds(seg: SegmentCost, profile: Profile, kernels: Kernels = Kernels()) -> float:
     t = 0.0
     bw = profile.memory_bandwidth * profile.memory_efficiency
-    for flops, moved, dtype in seg.matmuls:
+    for flops, moved, dtype, kind in seg.matmuls:
         peak = profile.flops.get(dtype) or profile.flops.get("fp32", 1.0)
-        t += max(flops / (peak * profile.matmul_efficiency), moved / bw)
-    return t + seg.other_bytes / bw + seg.ops * profile.op_overhead
+        if kind == "causal":
+            flops = round(flops * CAUSAL_SHARE)
+        if kernels.float8 and kind == "linear" and "fp8" in profile.flops and \
+                dtype in ("bf16", "fp16"):
+            peak = profile.flops["fp8"]
+            t += FLOAT8_CAST * moved / bw
+        efficiency = profile.matmul_efficiency
+        if kind in ("causal", "attention") and profile.attention_efficiency is not None:
+            efficiency = profile.attention_efficiency
+        t += max(flops / (peak * efficiency), moved / bw)
+    other = seg.other_bytes * (COMPILE_TRAFFIC if kernels.compile else 1.0)
+    return t + other / bw + seg.ops * profile.op_overhead
 
 
 def _comm(seg: SegmentCost) -> Counter:
     return Counter((c.kind, c.group, c.size, c.bytes) for c in seg.collectives)
 
 
-def _piece(seg: SegmentCost, profile: Profile, grads: int = 0, largest: int = 0) -> _Piece:
-    return _Piece(seg.delta, seg.rise, seg.flops, _seconds(seg, profile), _comm(seg), grads,
-                  largest)
+def _piece(seg: SegmentCost, profile: Profile, grads: int = 0, largest: int = 0,
+           kernels: Kernels = Kernels()) -> _Piece:
+    return _Piece(seg.delta, seg.rise, seg.flops, _seconds(seg, profile, kernels),
+                  _comm(seg), grads, largest)
 
 
 def _adjusted(base: _Piece, plus: _Piece, minus: _Piece) -> _Piece:
@@ -171,38 +208,19 @@ def _adjusted(base: _Piece, plus: _Piece, minus: _Piece) -> _Piece:
 
 
 
-OP_SAVED = 0.5
-"""``ac="op"``: the share of what a plain layer saves for its backward beyond a
-checkpointed layer that an op-level selective layer keeps (the outputs of its matrix
-products and attention; an approximation, not measured)."""
-OP_RECOMPUTE = 0.2
-"""``ac="op"``: the share of a checkpointed layer's extra backward time (its forward's
-recomputation) an op-level selective layer spends recomputing the element-wise
-operators (an approximation, not measured)."""
-
-
-def _between(plain: _Piece, ckpt: _Piece) -> _Piece:
-    """An op-level selective layer's piece between a plain and a checkpointed one (see
-    :data:`OP_SAVED`, :data:`OP_RECOMPUTE`)."""
-    return _Piece(round(ckpt.delta + OP_SAVED * (plain.delta - ckpt.delta)),
-                  max(0, round(ckpt.rise + OP_SAVED * (plain.rise - ckpt.rise))),
-                  plain.flops,
-                  plain.seconds + OP_RECOMPUTE * max(0.0, ckpt.seconds - plain.seconds),
-                  Counter(plain.comm), plain.grads, plain.largest)
-
-
 class _Layers:
     """The forward and backward piece of every layer of the model (by global index): a
-    checkpointed, an op-level selective or a plain layer's, with the first layer's
+    checkpointed (under ``ac="op"``: op-level selective, as measured) or a plain layer's,
+    with the first layer's
     position effect (measured on a checkpointed one) moved onto another kind when layer 0
     is not checkpointed."""
 
     def __init__(self, units: Units, profile: Profile, num_layers: int, n_ckpt: int,
-                 ac: str | None = None) -> None:
+                 kernels: Kernels = Kernels()) -> None:
         seg = units.segments
         grads = units.grads["L2"]
-        f = {n: _piece(seg[f"{n}.f"], profile) for n in ("L0", "L1", "L2")}
-        b = {n: _piece(seg[f"{n}.b"], profile, grads, units.largest["L2"])
+        f = {n: _piece(seg[f"{n}.f"], profile, kernels=kernels) for n in ("L0", "L1", "L2")}
+        b = {n: _piece(seg[f"{n}.b"], profile, grads, units.largest["L2"], kernels)
              for n in ("L0", "L1", "L2")}
         self.fwd: list[_Piece] = []
         self.bwd: list[_Piece] = []
@@ -210,12 +228,6 @@ class _Layers:
         plain = f["L2"].flops + b["L2"].flops
         self.model = [plain + (f["L0"].flops + b["L0"].flops - f["L1"].flops - b["L1"].flops
                                if j == 0 else 0) for j in range(num_layers)]
-        if ac == "op":  # every layer op-level selective
-            fo, bo = _between(f["L2"], f["L1"]), _between(b["L2"], b["L1"])
-            for j in range(num_layers):
-                self.fwd.append(_adjusted(fo, f["L0"], f["L1"]) if j == 0 else fo)
-                self.bwd.append(_adjusted(bo, b["L0"], b["L1"]) if j == 0 else bo)
-            return
         for j in range(num_layers):
             if j < n_ckpt:
                 fw, bw = (f["L0"], b["L0"]) if j == 0 else (f["L1"], b["L1"])
@@ -280,7 +292,8 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
                   layout.param_dtype, mixed, layout.dp_shard,
                   "model" if layout.pp == 1 else "next_token",
                   layout.dp_replicate if layout.dp_shard > 1 else 1,
-                  layout.reduce_dtype if layout.dp_shard > 1 else None)
+                  layout.reduce_dtype if layout.dp_shard > 1 else None,
+                  "op" if layout.ac == "op" else None, layout.loss)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -350,7 +363,8 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
             cross: Crossing | None) -> Prediction:
     """Compose a prediction from a measurement (see :func:`predict`)."""
     L = spec.num_layers
-    layers = _Layers(units, profile, L, layout.checkpointed(L), layout.ac)
+    layers = _Layers(units, profile, L, layout.checkpointed(L),
+                     Kernels(layout.compile, layout.float8))
     seg = units.segments
     e_f = _piece(seg["E.f"], profile)
     e_b = _piece(seg["E.b"], profile, units.grads["E"], units.largest["E"])
@@ -373,7 +387,7 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
         bubble = max(0.0, pipe - n * r.per_microbatch)
         out.append(RolePrediction(r.stage, layout.tp * layout.dp, r.layers, r.memory, r.flops,
                                   r.totals, Time(r.compute, r.exposed, bubble, r.optimizer,
-                                                 step), r.memory.peak <= profile.budget,
+                                                 step), r.memory.reserved <= profile.budget,
                                   r.model_flops))
     total_flops = sum(r.flops for r in out) * layout.tp * layout.dp
     model_flops = sum(r.model_flops for r in out) * layout.tp * layout.dp
@@ -400,10 +414,6 @@ def _notes(layout: Layout, units: Units) -> tuple[str, ...]:
     if layout.dp_mode == "hsdp":
         notes.append(f"HSDP: sharded over {layout.dp_shard} ranks, gradients all-reduced "
                      f"across {layout.dp_replicate} replicas")
-    if layout.ac == "op":
-        notes.append(f"ac=op is modelled, not measured: each layer keeps {OP_SAVED:.0%} of "
-                     "what a plain layer saves beyond a checkpointed one and recomputes "
-                     "its element-wise operators")
     if layout.pp > 1 and layout.per_rank > 1:
         notes.append(f"{layout.pipeline_schedule}: {layout.per_rank} stages per rank; "
                      "the bubble is "
@@ -543,10 +553,12 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     transient = (params if impl == "foreach" else 2 * largest) if states else 0
     walk.add(transient)
     walk.add(-transient)
-    peak = walk.peak
-    buffers = model_buffers + runtime + outputs
+    prefetch = _prefetch_bytes(layout, profile, units) if mine else 0
+    peak = walk.peak + prefetch
+    buffers = model_buffers + runtime + outputs + prefetch
     activations = max(0, peak - params - grads - optimizer - buffers - ids_bytes)
-    memory = Memory(params, grads, optimizer, buffers, ids_bytes, activations, peak)
+    memory = Memory(params, grads, optimizer, buffers, ids_bytes, activations, peak,
+                    round(peak * profile.allocator_reserve))
     # ---- work and communication
     flops = n * sum(pieces[k][0].flops + pieces[k][1].flops for k in stages)
     model_flops = n * (sum(layers.model[j] for j in mine)
@@ -579,6 +591,8 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         if (first or last) and not (first and last) and units.shared:
             comm[("all_reduce", "tie", 2, units.shared)] += 1
     totals, tp_time, p2p_time, dp_time = _collectives(comm, layout, profile)
+    if layout.async_tp:
+        tp_time *= 1.0 - ASYNC_TP_HIDDEN
     bwd_compute = n * sum(pieces[k][1].seconds for k in stages)
     if profile.overlap:
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))
@@ -591,6 +605,16 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     return _Role(rank, len(mine), memory, flops, model_flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)
+
+
+def _prefetch_bytes(layout: Layout, profile: Profile, units: Units) -> int:
+    """FSDP2 on a device that overlaps communication: the next layer's all-gather is
+    issued while the current layer computes (its copy stream runs ahead), so one more
+    layer's unsharded parameters, in the compute dtype, are live at the peak than the
+    measurement (which runs the collectives in line) holds. None on a CPU."""
+    if layout.dp_shard == 1 or not profile.overlap:
+        return 0
+    return round((1.0 + _unsharded_ratio(layout, units)) * units.params["L2"])
 
 
 def _less(piece: _Piece, nbytes: int) -> _Piece:

@@ -10,13 +10,32 @@ DGX system built from them:
 profile         memory  bf16/fp16   fp32      HBM        NVLink      inter-node per GPU
 ==============  ======  ==========  ========  =========  ==========  ====================
 ``h100-80gb``   80 GB   989.4 TF    66.9 TF   3.35 TB/s  900 GB/s    400 Gb/s (CX-7)
+``h100-96gb``   96 GB   989.4 TF    66.9 TF   2.4 TB/s   900 GB/s    400 Gb/s (RDMA)
 ``h200``        141 GB  989.4 TF    66.9 TF   4.8 TB/s   900 GB/s    400 Gb/s (CX-7)
 ``a100-80gb``   80 GB   312 TF      19.5 TF   2.04 TB/s  600 GB/s    200 Gb/s (CX-6)
 ``v100-32gb``   32 GB   125 (fp16)  15.7 TF   0.9 TB/s   300 GB/s    50 Gb/s (4 x EDR / 8)
 ==============  ======  ==========  ========  =========  ==========  ====================
 
 NVLink figures are both directions together; a ring collective uses one direction, so the
-profile holds half. The V100 has no bf16 Tensor Cores (plan it with ``fp16``).
+profile holds half. The V100 has no bf16 Tensor Cores (plan it with ``fp16``). The H100s
+also hold their dense FP8 peak (1,978.9 TF), which Float8 linear layers use.
+
+``h100-96gb`` is the H100 of torchtitan's published 2024-12 runs (Grand Teton hosts: 8
+H100 SXM with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit instead of the 700 W
+TDP, NVLink within a host, 400 Gb/s RDMA per GPU between hosts). Its tensor-core peak at
+500 W is not published (torchtitan's note: between the SXM's and the NVL's), so the
+profile keeps the SXM figure and a lower ``matmul_efficiency`` (0.55 instead of 0.7): the
+one constant fitted to a published number, Table 1's first row (Llama 3.1 8B, FSDP 8, no
+compile, no Float8); ``benchmarks/plan_vs_published.py`` predicts every other row with it.
+
+Memory: the planner's peak is what the tensors hold (allocated); a CUDA device also holds
+what its caching allocator keeps reserved around them (blocks split and freed between the
+step's large, short-lived tensors). ``allocator_reserve`` is the ratio reserved / allocated
+at the peak: 1.0 on a CPU (no caching allocator), 1.08 for the CUDA profiles, the middle of
+the 5-10 % that ``torch.cuda.memory_stats()`` typically shows for a training step of large
+tensors (``reserved_bytes.all.peak`` over ``allocated_bytes.all.peak``); a documented
+assumption, not fitted to the validation rows. ``benchmarks/gpu_check.sh`` measures it when
+a GPU is lent.
 
 Assumptions that are not datasheet figures, all fields of the profile: achievable
 fractions of the peaks (``matmul_efficiency`` 0.7, ``memory_efficiency`` 0.8,
@@ -50,7 +69,7 @@ import torch
 
 from ..core.errors import PlanError
 
-__all__ = ["Profile", "PROFILES", "get_profile", "measure_local"]
+__all__ = ["Profile", "PROFILES", "CUDA_RESERVE", "get_profile", "measure_local"]
 
 GB = 10**9
 GIB = 2**30
@@ -72,6 +91,8 @@ class Profile:
         gpus_per_node: devices per node (groups within a node use the intra-node link).
         matmul_efficiency, memory_efficiency, link_efficiency: the share of each peak a
             real kernel reaches.
+        attention_efficiency: the share of the matmul peak an attention kernel reaches
+            on the FLOPs it executes (None: ``matmul_efficiency``).
         usable_memory: the share of ``memory_bytes`` tensors can use.
         overlap: whether data-parallel communication runs while backward computes.
         optimizer_impl: ``"foreach"`` (one kernel per dtype group; its temporaries hold a
@@ -81,6 +102,7 @@ class Profile:
             the kernels.
         collective_latency: seconds every collective call costs whatever its size (0 for
             the GPU profiles: at the sizes a training step sends, bandwidth dominates).
+        allocator_reserve: peak reserved over peak allocated memory (module docstring).
         source: where the figures come from.
     """
 
@@ -92,6 +114,7 @@ class Profile:
     inter_node_bandwidth: float
     gpus_per_node: int = 8
     matmul_efficiency: float = 0.7
+    attention_efficiency: float | None = None
     memory_efficiency: float = 0.8
     link_efficiency: float = 0.8
     usable_memory: float = 0.9
@@ -99,6 +122,7 @@ class Profile:
     optimizer_impl: str = "foreach"
     op_overhead: float = 0.0
     collective_latency: float = 0.0
+    allocator_reserve: float = 1.0
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -135,19 +159,30 @@ class Profile:
 
 _NVIDIA = "NVIDIA datasheets (SXM, dense) and DGX system specifications"
 
+CUDA_RESERVE = 1.08
+"""The CUDA profiles' ``allocator_reserve`` (module docstring)."""
+
+_HOPPER = {"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "fp32": 66.9 * TERA,
+           "fp8": 1978.9 * TERA}
+
 PROFILES: dict[str, Profile] = {
     "h100-80gb": Profile(
-        "h100-80gb", 80 * GIB, {"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "fp32": 66.9 * TERA},
-        3.35 * TERA, 450 * GB, 50 * GB, source=_NVIDIA),
+        "h100-80gb", 80 * GIB, dict(_HOPPER), 3.35 * TERA, 450 * GB, 50 * GB,
+        allocator_reserve=CUDA_RESERVE, source=_NVIDIA),
+    "h100-96gb": Profile(
+        "h100-96gb", 96 * GIB, dict(_HOPPER), 2.4 * TERA, 450 * GB, 50 * GB,
+        matmul_efficiency=0.5, attention_efficiency=0.3, allocator_reserve=CUDA_RESERVE,
+        source="torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (hardware), "
+        "NVIDIA H100 SXM datasheet (peaks); matmul_efficiency fitted to its Table 1 row 1"),
     "h200": Profile(
-        "h200", 141 * GB, {"bf16": 989.4 * TERA, "fp16": 989.4 * TERA, "fp32": 66.9 * TERA},
-        4.8 * TERA, 450 * GB, 50 * GB, source=_NVIDIA),
+        "h200", 141 * GB, dict(_HOPPER), 4.8 * TERA, 450 * GB, 50 * GB,
+        allocator_reserve=CUDA_RESERVE, source=_NVIDIA),
     "a100-80gb": Profile(
         "a100-80gb", 80 * GIB, {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA},
-        2.039 * TERA, 300 * GB, 25 * GB, source=_NVIDIA),
+        2.039 * TERA, 300 * GB, 25 * GB, allocator_reserve=CUDA_RESERVE, source=_NVIDIA),
     "v100-32gb": Profile(
         "v100-32gb", 32 * GIB, {"fp16": 125 * TERA, "fp32": 15.7 * TERA},
-        0.9 * TERA, 150 * GB, 6.25 * GB, source=_NVIDIA),
+        0.9 * TERA, 150 * GB, 6.25 * GB, allocator_reserve=CUDA_RESERVE, source=_NVIDIA),
 }
 
 
@@ -285,6 +320,6 @@ def measure_local(device: str | None = None, *, size: int | None = None,
         f"local-{name}", int(memory), flops, bandwidth, links, links,
         gpus_per_node=max(1, os.cpu_count() or 1) if not cuda else 8,
         matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
-        usable_memory=1.0, overlap=cuda, optimizer_impl="foreach" if cuda else "single",
+        usable_memory=1.0, overlap=cuda, allocator_reserve=CUDA_RESERVE if cuda else 1.0, optimizer_impl="foreach" if cuda else "single",
         op_overhead=overhead, collective_latency=latency,
         source=f"measured by torchloom plan --measure ({torch.get_num_threads()} threads)")

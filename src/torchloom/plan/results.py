@@ -5,6 +5,8 @@
 
 >>> Memory(1, 1, 2, 0, 0, 3, 7).to_dict()["peak"]
 7
+>>> Memory(1, 1, 2, 0, 0, 3, 7, reserved=8).reserved, Memory(1, 1, 2, 0, 0, 3, 7).reserved
+(8, 7)
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class Memory:
         inputs: the step's token ids.
         activations: the rest at the peak: saved activations, recomputation,
             temporaries, unsharded FSDP2 parameters (``peak`` minus the others).
-        peak: the most the rank holds at once during a step (what must fit).
+        peak: the most the rank's tensors hold at once during a step (allocated).
+        reserved: what the device's caching allocator holds at that peak (``peak`` times
+            the profile's ``allocator_reserve``; equal to ``peak`` on a CPU): what must
+            fit, and what ``torch.cuda.max_memory_reserved()`` reports.
     """
 
     parameters: int
@@ -40,6 +45,11 @@ class Memory:
     inputs: int
     activations: int
     peak: int
+    reserved: int = -1
+
+    def __post_init__(self) -> None:
+        if self.reserved < 0:
+            object.__setattr__(self, "reserved", self.peak)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -146,13 +156,25 @@ class Prediction:
 
     @property
     def peak(self) -> int:
-        """The largest per-rank peak."""
+        """The largest per-rank peak as the device's allocator reserves it
+        (:attr:`Memory.reserved`): what must fit."""
+        return max(r.memory.reserved for r in self.roles)
+
+    @property
+    def peak_allocated(self) -> int:
+        """The largest per-rank peak of the tensors themselves (:attr:`Memory.peak`)."""
         return max(r.memory.peak for r in self.roles)
 
     @property
     def tokens_per_s(self) -> float:
         """Training throughput of the whole job."""
         return self.layout.tokens / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Throughput per device: :attr:`tokens_per_s` over the layout's ranks (as
+        torchtitan reports TPS/GPU)."""
+        return self.tokens_per_s / self.layout.world
 
     @property
     def headroom(self) -> float:
@@ -180,6 +202,8 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "layout": self.layout.to_dict(),
                 "profile": self.profile.name, "fits": self.fits, "peak": self.peak,
+                "peak_gib": self.peak / 2**30, "peak_allocated": self.peak_allocated,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "budget": self.profile.budget, "headroom": self.headroom,
                 "step_time": self.step_time, "tokens_per_s": self.tokens_per_s,
                 "flops_per_step": self.flops_per_step,

@@ -94,12 +94,16 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                       micro_batches: Iterable[int] = (1, 2, 4, 8),
                       pipeline_schedule: str = "1F1B", stages_per_rank: int | None = None,
                       param_dtype: str = "fp32", mixed_precision: str | None = None,
-                      optimizer: str = "adamw",
+                      optimizer: str = "adamw", loss: str = "chunked",
+                      compile: bool = False, float8: bool = False, async_tp: bool = False,
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every valid layout (see the module docstring), and the ones refused with why.
     ``dp_mode``: ``"ddp"``, ``"fsdp"`` or ``"hsdp"`` (None: DDP and FSDP2);
     ``dp_replicate``: HSDP's replicas; ``ac``: ``"full"`` or ``"op"`` instead of the
-    ratios; ``pipeline_schedule`` and ``stages_per_rank``: the pipelines'."""
+    ratios; ``pipeline_schedule`` and ``stages_per_rank``: the pipelines'; ``loss``,
+    ``compile``, ``float8``, ``async_tp``: the :class:`~torchloom.parallel.layout.Layout`
+    fields of every layout (``loss="parallel"`` is ``"full"`` and ``async_tp`` off where a
+    layout has no tensor parallelism or no sequence parallelism: they need it)."""
     out: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
     ratios = [0.0] if ac else list(ckpt_ratios)
@@ -139,7 +143,11 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                                              micro_batch=mb, seq_len=seq_len, ckpt_ratio=r,
                                              ac=ac, param_dtype=param_dtype,
                                              mixed_precision=mixed_precision,
-                                             optimizer=optimizer)
+                                             optimizer=optimizer, compile=compile,
+                                             float8=float8,
+                                             loss="full" if loss == "parallel" and t == 1
+                                             else loss,
+                                             async_tp=async_tp and t > 1 and s)
                             except PlanError:
                                 continue
                             try:

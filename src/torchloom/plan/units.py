@@ -37,36 +37,18 @@ from torch.utils._pytree import tree_flatten
 from ..core.errors import PlanError
 from ..core.meta import copy_meta
 from ..core.outputs import no_cache_kwargs
+from ..runtime.causal_mask import unpacked_sequences
+from .opcost import OpCost, flop_counter
 from .spec import DTYPES, ModelSpec
-from .tracking import Collective, Tracker, fsdp_storage_resizes
+from .tracking import Collective, fsdp_storage_resizes
 
 __all__ = ["UnitKey", "Units", "SegmentCost", "OpCost", "measure_units", "crossing",
-           "fake_world", "next_token_loss", "extrapolate", "DEPTH", "CKPT_LAYERS"]
+           "fake_world", "next_token_loss", "extrapolate", "flop_counter", "DEPTH",
+           "CKPT_LAYERS"]
 
 DEPTH = 3          # layers of the shortened model
 CKPT_LAYERS = 2    # of which the first ones are checkpointed
 _PRIMITIVE = "plan"
-
-_VIEWS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "as_strided",
-    "slice", "select", "detach", "alias", "unsqueeze", "squeeze", "split", "split_with_sizes",
-    "chunk", "unbind", "narrow", "empty", "empty_like", "empty_strided", "new_empty",
-    "new_empty_strided", "lift_fresh", "_to_copy_meta", "view_as", "unfold", "diagonal",
-    "_reshape_alias", "set_", "resize_", "is_same_size", "_has_compatible_shallow_copy_type",
-})
-_MATMULS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
-    "_efficient_attention_backward",
-})
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
 
 def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The loss a pipeline's last stage computes (as ``torchloom train``): next-token
@@ -88,6 +70,10 @@ class UnitKey:
             (the pipeline's: logits out, :func:`next_token_loss`).
         replicate: HSDP's replicas (``dp_replicate`` with ``fsdp`` > 1; 1 otherwise).
         reduce_dtype: the dtype FSDP2 reduces gradients in (None: the layout's default).
+        ac: ``"op"``: the checkpointed layers use the op-level selective policy
+            (``checkpoint(policy="op")``) instead of recomputing everything.
+        loss_mode: how the cross-entropy is computed (:data:`~torchloom.parallel.layout.LOSSES`),
+            as :func:`torchloom.parallelize` builds it.
     """
 
     tp: int = 1
@@ -100,6 +86,8 @@ class UnitKey:
     loss: str = "model"
     replicate: int = 1
     reduce_dtype: str | None = None
+    ac: str | None = None
+    loss_mode: str = "full"
 
     def layout(self) -> Any:
         """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
@@ -111,7 +99,7 @@ class UnitKey:
                       dp_replicate=self.replicate if self.fsdp > 1 else 1,
                       micro_batch=self.micro_batch, seq_len=self.seq_len,
                       param_dtype=self.param_dtype, mixed_precision=self.mixed_precision,
-                      reduce_dtype=self.reduce_dtype)
+                      reduce_dtype=self.reduce_dtype, loss=self.loss_mode)
 
 
 @dataclass
@@ -123,7 +111,10 @@ class SegmentCost:
     delta: int
     rise: int
     flops: int
-    matmuls: list[tuple[int, int, str]]
+    matmuls: list[tuple[int, int, str, str]]
+    """``(flops, bytes moved, dtype, kind)`` per matrix-product operator; kind ``linear``
+    (``mm`` / ``addmm``: a linear layer's product), ``causal`` (causal attention, whose
+    kernels skip the masked half), ``attention`` or ``other``."""
     other_bytes: int
     collectives: list[Collective]
     ops: int = 0  # operators dispatched (each costs the profile's op_overhead)
@@ -164,90 +155,6 @@ class Units:
     flops_total: int
     leftover: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class OpCost(Tracker):
-    """A :class:`~torchloom.plan.tracking.Tracker` that also prices every operator: its
-    FLOPs (FlopCounterMode's formulas, :data:`torch.utils.flop_counter.flop_registry`) and
-    the bytes it reads and writes, for a roofline time. Matmul-like operators are listed
-    one by one; the others only add bytes. One dispatch mode does both (each mode on the
-    stack costs time per operator)."""
-
-    def __init__(self, groups: dict[str, str] | None = None) -> None:
-        super().__init__(groups)
-        from torch.utils.flop_counter import flop_registry
-
-        self.registry: dict[Any, Callable[..., int]] = {
-            **flop_registry, **_cpu_sdpa_mapping()}
-        self.flops = 0
-        self.matmuls: list[tuple[int, int, str]] = []
-        self.other_bytes = 0
-        self.ops = 0
-
-    def take_ops(self) -> int:
-        """Operators dispatched since the last call, and start anew."""
-        out, self.ops = self.ops, 0
-        return out
-
-    def take(self) -> tuple[list[tuple[int, int, str]], int]:
-        """What was recorded since the last call, and start anew."""
-        out = (self.matmuls, self.other_bytes)
-        self.matmuls, self.other_bytes = [], 0
-        return out
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        namespace = getattr(func, "namespace", "")
-        name = func._schema.name.split("::")[-1]
-        if namespace in ("c10d", "_c10d_functional") or name in _VIEWS:
-            return out
-        self.ops += 1
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
-        fn = self.registry.get(func._overloadpacket)
-        if fn is not None:
-            flops = int(fn(*args, **kwargs, out_val=out))
-            self.flops += flops
-            floats = [t for t in tensors if t.is_floating_point()]
-            dtype = _DTYPE_NAMES.get(floats[0].dtype, "fp32") if floats else "fp32"
-            self.matmuls.append((flops, moved, dtype))
-        else:
-            self.other_bytes += moved
-        return out
-
-
-def _cpu_sdpa_formulas() -> dict[Any, Callable[..., int]]:
-    from torch.utils import flop_counter as fc
-
-    aten = torch.ops.aten
-    out: dict[Any, Callable[..., int]] = {}
-    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is not None:
-        out[fwd] = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
-    if bwd is not None:
-        out[bwd] = (lambda grad, q, k, v, *a, out_shape=None, **kw:
-                    fc.sdpa_backward_flop_count(grad, q, k, v))
-    return out
-
-
-def _cpu_sdpa_mapping() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas for the CPU flash-attention kernels, which FlopCounterMode lacks (the
-    CUDA kernels' formulas apply: the same products), wrapped as FlopCounterMode wraps its
-    own (tensors -> shapes)."""
-    from torch.utils.flop_counter import shape_wrapper
-
-    return {k: shape_wrapper(v) for k, v in _cpu_sdpa_formulas().items()}
-
-
-def flop_counter() -> Any:
-    """A FlopCounterMode that also knows the CPU attention kernels."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    return FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_formulas())
 
 
 # --------------------------------------------------------------------------- fake world
@@ -375,6 +282,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def loss_knobs(sch: Any, key: UnitKey, knobs: dict[str, Any]) -> Any:
+    """The loss :func:`torchloom.parallelize` gives the measured model
+    (:func:`~torchloom.parallel.parallelize.loss_plan`): add the ``loss_parallel`` knob to
+    ``knobs`` when it splits the head along the vocabulary (a ``schedule`` function is
+    handed the knob too), and return ``(mode, group)``: the loss and the group its logits
+    are split over (None: whole logits)."""
+    from ..parallel.parallelize import loss_plan
+
+    mode, sharded = loss_plan(sch, key.layout())
+    if sharded:
+        knobs["loss_parallel"] = True
+    return mode, sch.group if sharded else None
+
+
+def pipeline_loss(mode: str, group: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A pipeline's last-stage loss in ``mode`` (:func:`next_token_loss` for ``full``)."""
+    if mode == "full" and group is None:
+        return next_token_loss
+    from ..ops.loss import next_token_loss as make
+
+    return make(mode, group)
+
+
 def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None,
                   depth: int = DEPTH, ckpt_layers: int = CKPT_LAYERS) -> Units:
     """Measure the pieces of a step (see the module docstring)."""
@@ -391,30 +321,43 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         sch = create_schedule(model, mesh if key.tp > 1 else None)
         # the first ``ckpt_layers`` layers are checkpointed: the ratio that gives them by
         # the rule checkpoint(ratio=...) and the planner share (core.rules)
-        knobs: dict[str, Any] = {"ckpt_ratio": ckpt_layers / depth}
+        knobs: dict[str, Any] = {} if key.ac == "op" else {"ckpt_ratio": ckpt_layers / depth}
         if key.tp > 1:
             knobs["tp"] = True
         if key.sp:
             knobs["sequence_parallel"] = True
+        loss, group = loss_knobs(sch, key, knobs)
         apply_knobs(sch, spec, knobs, schedule)
+        if key.ac == "op":
+            sch[spec.layers].checkpoint(ratio=ckpt_layers / depth, policy="op")
         layers: Any = model.get_submodule(spec.layers)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         if key.fsdp > 1:
             _fully_shard(model, spec, mesh, key)
+            before = dict(model.named_parameters())
             with mode:
                 model.to_empty(device="cpu")
+            for name, p in model.named_parameters():  # shard specs the hooks read
+                copy_meta(before[name], p)
         else:
             _fake_params(model, mode)
         with mode:
             inputs = spec.inputs(key.micro_batch, key.seq_len, device="cpu",
                                  labels=key.loss == "model")
-        return _run(spec, key, model, layers, inputs, mode, groups)
+        if key.loss == "model" and loss != "full":
+            from ..ops.loss import set_loss
+
+            set_loss(model, loss, group)
+        return _run(spec, key, model, layers, inputs, mode, groups,
+                    None if key.loss == "model" else pipeline_loss(loss, group))
 
 
 def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
-         inputs: dict[str, torch.Tensor], mode: Any, groups: dict[str, str]) -> Units:
+         inputs: dict[str, torch.Tensor], mode: Any, groups: dict[str, str],
+         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+         ) -> Units:
     depth = len(layers)
-    tracker = OpCost(groups)
+    tracker = OpCost(groups, causal=spec.kind == "causal")
     segments: dict[str, SegmentCost] = {}
     state: dict[str, Any] = {"part": "E", "flops": 0}
     # which parts use each module's own parameters: layer i's modules are Li's, the
@@ -473,7 +416,7 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
 
     params = {id(p): p for p in model.parameters()}
     try:
-        with mode, fsdp_storage_resizes(tracker), tracker:
+        with mode, fsdp_storage_resizes(tracker), tracker, unpacked_sequences():
             for t in [*params.values(), *model.buffers(), *inputs.values()]:
                 tracker.track(t)
             start = tracker.current
@@ -488,7 +431,7 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
                 else:
                     logits = out.logits if hasattr(out, "logits") else _first_tensor(out)
                     assert logits is not None
-                    result["loss"] = next_token_loss(logits, inputs["input_ids"])
+                    result["loss"] = (loss_fn or next_token_loss)(logits, inputs["input_ids"])
                     del logits
                 del out
             mark("H.f")
@@ -601,7 +544,8 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
             knobs["sequence_parallel"] = True
         apply_knobs(sch, spec, knobs, schedule)
         example = {"input_ids": torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)}
-        sch.trace_until(f"{spec.layers}.*", example_inputs=example)
+        with unpacked_sequences():  # as parallelize traces a pipeline
+            sch.trace_until(f"{spec.layers}.*", example_inputs=example)
         sch[f"{spec.layers}.0"].cut_pipeline_stage()
         sch[f"{spec.layers}.1"].cut_pipeline_stage()
         stages = split_stages(sch, (example["input_ids"],))
@@ -645,8 +589,8 @@ def extrapolate(one: Units, two: Units, micro_batch: int) -> Units | None:
                 [(c.kind, c.group) for c in s1.collectives] != \
                 [(c.kind, c.group) for c in s2.collectives]:
             return None
-        matmuls = [(lin(f1, f2), lin(b1, b2), d1)
-                   for (f1, b1, d1), (f2, b2, _) in zip(s1.matmuls, s2.matmuls)]
+        matmuls = [(lin(f1, f2), lin(b1, b2), d1, k1)
+                   for (f1, b1, d1, k1), (f2, b2, _, _) in zip(s1.matmuls, s2.matmuls)]
         colls = [Collective(c1.kind, lin(c1.bytes, c2.bytes), c1.group, c1.size)
                  for c1, c2 in zip(s1.collectives, s2.collectives)]
         segments[name] = SegmentCost(name, lin(s1.start, s2.start), lin(s1.delta, s2.delta),

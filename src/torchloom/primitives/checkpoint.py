@@ -17,11 +17,14 @@ by ``fork_rng``). The module is *not* wrapped in a new module, so the module tre
 hooks (``register_forward_hook`` and friends) run once, outside the checkpointed region,
 and are not replayed by the recompute. The module is marked ``CHECKPOINTED`` (:mod:`torchloom.core.marks`).
 
-With ``policy="op"`` (op-level selective checkpointing, as torchtitan's ``--ac op``): the
-outputs of the expensive operators inside the module (matrix products, attention kernels,
-reduce-scatters; :data:`SAVED_OPS`) are kept from the forward, and only the cheap ones
-(element-wise, normalisation) are recomputed: less recompute than full checkpointing for
-more memory (``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+With ``policy="op"`` (op-level selective checkpointing, the policy of torchtitan's
+``--ac op``): the outputs of the expensive operators inside the module (attention kernels,
+reduce-scatters, the row maximum, and every other linear-layer product: the first, third,
+fifth ... ``mm`` / ``addmm`` of each forward; :data:`SAVED_OPS`) are kept from the
+forward, and the rest (the other half of the linear products, element-wise operators,
+normalisation) is recomputed: about half a layer's matmul outputs saved, a quarter of its
+forward's matmul FLOPs recomputed
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 
 Random numbers: the recompute must draw the same dropout masks as the forward did.
 ``preserve_rng_state=True`` restores the global CPU and device generators; in addition the
@@ -170,12 +173,21 @@ POLICIES = ("op",)
 """The ``policy`` values: ``"op"`` (keep :data:`SAVED_OPS`' outputs, recompute the rest)."""
 
 
-def _saved_ops() -> frozenset[Any]:
+def _ops(*names: str) -> frozenset[Any]:
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm")
-    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+LINEAR_OPS = _ops("mm", "addmm")
+"""The linear layers' products: ``policy="op"`` keeps every other one (the odd ones, counted
+from 1 in each forward and, separately, in each recompute)."""
+
+
+def _saved_ops() -> frozenset[Any]:
+    ops = set(LINEAR_OPS) | _ops(
+        "bmm", "baddbmm", "max", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm")
     c10d = getattr(torch.ops, "_c10d_functional", None)
     if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
         ops.add(c10d.reduce_scatter_tensor.default)
@@ -183,13 +195,26 @@ def _saved_ops() -> frozenset[Any]:
 
 
 SAVED_OPS = _saved_ops()
-"""The operators whose outputs ``policy="op"`` keeps from the forward."""
+"""The operators whose outputs ``policy="op"`` keeps from the forward (of
+:data:`LINEAR_OPS`, every other one)."""
 
 
-def _op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+def _op_policy() -> Any:
+    """A fresh policy for one checkpointed region: it counts the region's linear products
+    in the forward and in the recompute separately, so both make the same decisions."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    count = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op in LINEAR_OPS:
+            count[ctx.is_recompute] += 1
+            if count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 class _Both:
@@ -219,7 +244,7 @@ def op_context_fn() -> tuple[_Both, _Both]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     take, replay = tracker_context_fn()
-    forward, recompute = create_selective_checkpoint_contexts(_op_policy)
+    forward, recompute = create_selective_checkpoint_contexts(_op_policy())
     return _Both(take, forward), _Both(replay, recompute)
 
 
