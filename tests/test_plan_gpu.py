@@ -178,3 +178,22 @@ def test_train_takes_the_flags_a_plan_prints():
         options(None, {"model": "llama", "float8": True})
     with pytest.raises(TrainOptionError, match="async"):
         options(None, {"model": "llama", "async_tp": True})
+
+
+def test_attention_is_sdpa_by_default_and_a_pipeline_cut_carries_no_mask():
+    """transformers 5 builds the zoo's and a config's models with SDPA attention; a
+    pipeline is traced (as parallelize and the planner trace it) with SDPA's causal
+    kernel, so what crosses a cut holds no (seq, seq) mask."""
+    import transformers
+
+    from torchloom.schedules import zoo
+
+    for name in ("llama", "gpt2"):
+        assert zoo.make_model(name).config._attn_implementation == "sdpa"
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64)
+    assert transformers.LlamaForCausalLM(config).config._attn_implementation == "sdpa"
+    spec = model_spec("llama", seq_len=SEQ)
+    cross = crossing(spec, UnitKey(micro_batch=1, seq_len=SEQ))
+    assert [dtype for _, dtype, _ in cross.first].count("bool") == 0

@@ -61,7 +61,7 @@ def test_the_checkpoint_records_the_run_configuration(finished_run):
         "weight_decay": 0.01, "clip_grad": 0.0, "seed": 0, "dtype": "fp32", "tp": 1,
         "dp": 1, "dp_mode": "ddp", "dp_replicate": 1, "pp": 1, "pipeline_schedule": "1F1B",
         "stages_per_rank": None, "stage_cuts": None, "n_microbatches": 4, "sequence_parallel": False,
-        "ckpt_ratio": 0.0, "ac": None, "deterministic": True,
+        "ckpt_ratio": 0.0, "ac": None, "deterministic": True, "loss": "chunked", "float8": False,
         "recipe": "import torchloom\n\nsch = torchloom.create_schedule(model)"}
 
 

@@ -196,7 +196,7 @@ def _check_device(cfg: TrainConfig) -> None:
             values={"device": "cuda", "torch": torch.__version__},
             fix="--device cpu (in a TOML file: device = 'cpu')")
     if cfg.float8:  # what the device lacks (TrainConfig refused --float8 off CUDA)
-        from ..parallel.float8 import FIX, float8_problem
+        from ..ops.float8 import FIX, float8_problem
 
         problem = float8_problem(cfg.device)
         if problem is not None:

@@ -26,7 +26,7 @@ uses) are applied in one place. In order:
    all of them under ``ac="full"`` (recompute everything) or ``ac="op"`` (op-level
    selective), with the ``checkpoint`` primitive.
 5. **Compile** (``layout.compile``): each layer of the stacks, with ``compile``. Float8
-   (``layout.float8``, CUDA and torchao: :mod:`torchloom.parallel.float8`) has by then
+   (``layout.float8``, CUDA and torchao: :mod:`torchloom.ops.float8`) has by then
    replaced the layers' linear layers (after step 2); ``layout.async_tp`` is refused
    (planner only for now).
 6. **Build**: materialise (``weights``: each rank reads its own slices), then the data
@@ -72,6 +72,8 @@ from ..core.marks import CHECKPOINTED, has_mark
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
 from ..core.schedule import create_schedule as _create_schedule
+from ..ops.float8 import FIX as FLOAT8_FIX
+from ..ops.float8 import apply_float8, float8_problem
 from ..ops.loss import is_causal_lm, next_token_loss, set_loss
 from ..runtime.build import build
 from ..runtime.causal_mask import unpacked_sequences
@@ -79,8 +81,6 @@ from ..runtime.collectives import guard_collective
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
 from ..schedules._common import loss_parallel_head, node_at
-from .float8 import FIX as FLOAT8_FIX
-from .float8 import apply_float8, float8_problem
 from .layout import Layout
 from .mesh import PIECES
 

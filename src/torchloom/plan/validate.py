@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from .layout import Layout
 from .tracking import Tracker, fsdp_storage_resizes
-from .units import next_token_loss
 
 __all__ = ["build_layout", "check_prediction", "compare", "measure_many", "measure_rank",
            "mesh_labels"]
@@ -75,7 +74,7 @@ def build_layout(model: torch.nn.Module, layout: Layout, mesh: Any, *, name: str
                  example: torch.Tensor, weights: str | None = None,
                  knobs: dict[str, Any] | None = None) -> Any:
     """``torchloom.parallelize`` of zoo model ``name`` for ``layout``, as ``torchloom
-    train`` calls it (the zoo's stacks of layers, the next-token loss of a pipeline's
+    train`` calls it (the zoo's stacks of layers, the layout's loss on a pipeline's
     last stage): the plan's measurements build every layout through it."""
     from ..parallel.parallelize import create_schedule, parallelize
     from ..schedules import zoo
@@ -84,7 +83,7 @@ def build_layout(model: torch.nn.Module, layout: Layout, mesh: Any, *, name: str
     pipe = layout.pp > 1
     return parallelize(sch, layout, mesh=mesh, weights=weights,
                        example_inputs={"input_ids": example} if pipe else None,
-                       loss_fn=next_token_loss if pipe else None, knobs=knobs,
+                       knobs=knobs,
                        stacks=zoo.layer_paths(name))
 
 
