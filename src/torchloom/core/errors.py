@@ -364,3 +364,11 @@ class LossError(ScheduleError):
 
 
 __all__ += ["LossError"]
+
+
+class ContextParallelError(OpsError):
+    """A sequence, model or attention implementation that ``context_parallel`` cannot split
+    (:mod:`torchloom.primitives.context_parallel`, :mod:`torchloom.ops.context_parallel`)."""
+
+
+__all__ += ["ContextParallelError"]

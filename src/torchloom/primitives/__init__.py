@@ -14,6 +14,7 @@ from . import (  # noqa: F401 - imported to register them
     annotate,
     checkpoint,
     compile,
+    context_parallel,
     cut_pipeline_stage,
     decompose,
     divide_attrs,
