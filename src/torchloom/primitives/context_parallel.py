@@ -236,7 +236,7 @@ def apply(sch: Schedule, group: Any = None) -> None:
     size, rank = _group_of(group)
     state = CPState(group=group, size=size, rank=rank, path=sch.path)
     name = register_attention()
-    sch.mod.set_attn_implementation(name)
+    sch.mod.set_attn_implementation(name)  # type: ignore[operator]
     for _, module in found:
         set_mark(module, CONTEXT_PARALLEL, state)
     set_mark(sch.mod, CONTEXT_PARALLEL, state)
