@@ -157,6 +157,8 @@ def train(
     dtype: str = typer.Option(_train_default("dtype"), help="fp32, or bf16 (autocast; FSDP2 "
                               "mixed precision with --dp-mode fsdp)."),
     tp: int = typer.Option(_train_default("tp"), help="Tensor-parallel degree."),
+    cp: int = typer.Option(_train_default("cp"), help="Context-parallel degree (each "
+                           "sequence split between the ranks; --seq-len a multiple of 2 cp)."),
     dp: int = typer.Option(_train_default("dp"), help="Data-parallel degree."),
     dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas), fsdp "
                                 "(FSDP2 shards) or hsdp (--dp-replicate groups of shards)."),

@@ -139,9 +139,10 @@ def train_rank(rank: int, cfg: TrainConfig, report: Report | None = None) -> dic
     world = dist.get_world_size() if dist.is_initialized() else 1
     if cfg.world != world:
         raise TrainOptionError(
-            f"--tp {cfg.tp} x --dp {cfg.dp} x --pp {cfg.pp} = {cfg.world} ranks, but the run "
+            f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} x --pp {cfg.pp} = {cfg.world} ranks, "
+            "but the run "
             f"has {world}", primitive=_PRIMITIVE,
-            values={"tp": cfg.tp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},
+            values={"tp": cfg.tp, "cp": cfg.cp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},
             fix=f"torchrun --nproc-per-node {cfg.world} -m torchloom train --tp {cfg.tp} "
             f"--dp {cfg.dp} --pp {cfg.pp}")
     if world == 1:
@@ -283,8 +284,8 @@ class _Run:
                 replicated += sq
         both = torch.stack([sharded, replicated])
         if self.fsdp:
-            # FSDP2 shards over dp_shard; HSDP's replicas hold the same shards again
-            shard_group = self.mesh.group("dp_shard") if self.mesh is not None else None
+            # FSDP2 shards over dp_shard (x cp); HSDP's replicas hold the same shards again
+            shard_group = self.mesh.shard_group() if self.mesh is not None else None
             with guard_collective("all_reduce", _PRIMITIVE, shard_group):
                 dist.all_reduce(both, group=shard_group)
         if self.cfg.tp > 1:

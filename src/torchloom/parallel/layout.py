@@ -12,8 +12,13 @@ the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` mak
 * ``dp_replicate`` data-parallel replicas and ``dp_shard`` FSDP2 shards: ``dp_shard``
   alone is FSDP (ZeRO-3), ``dp_replicate`` alone is DDP, both above 1 is HSDP (shards
   inside a replica group, replicas across);
-* ``cp`` context-parallel and ``ep`` expert-parallel ranks: present so that a layout can
-  name them, refused above 1 until torchloom builds them;
+* ``cp`` context-parallel ranks: each sequence is split between them (load-balanced
+  chunk pairs, :mod:`torchloom.primitives.context_parallel`); they hold the same
+  parameters, so gradients are averaged over ``dp_replicate x dp_shard x cp`` and FSDP2
+  shards over ``dp_shard x cp`` (torchtitan's layout); ``seq_len`` must be a multiple of
+  ``2 cp`` (``2 cp tp`` with sequence parallelism); not inside a pipeline yet;
+* ``ep`` expert-parallel ranks: present so that a layout can name them, refused above 1
+  until torchloom builds them;
 * ``tp`` tensor-parallel ranks (the schedule's Megatron layout), with ``sp`` sequence
   parallelism between their regions. Tensor-parallel ranks are the innermost (adjacent)
   ranks: the most communication stays on the fastest links.
@@ -80,6 +85,7 @@ _PRIMITIVE = "Layout"
 #: what each token of :meth:`Layout.describe` means (``torchloom plan`` prints it)
 NOTATION = (
     ("tpN[+sp]", "N tensor-parallel ranks; +sp: sequence parallelism between their regions"),
+    ("cpN", "N context-parallel ranks: each sequence split between them"),
     ("ppN(S xM[ vV])", "N pipeline ranks run by schedule S over M micro-batches per step; "
                        "vV: V stages per rank"),
     ("accumN", "N gradient-accumulation micro-steps per optimizer step"),
@@ -249,6 +255,8 @@ class Layout:
     def describe(self) -> str:
         """A one-line name of the layout (its tokens: :data:`NOTATION`)."""
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.pp > 1:
             virtual = f" v{self.per_rank}" if self.per_rank > 1 else ""
             parts.append(f"pp{self.pp}({self.pipeline_schedule} x{self.micro_steps}{virtual})")
@@ -275,6 +283,21 @@ class Layout:
 
     # ---- checks
 
+    def _check_cp(self) -> None:
+        if self.pp > 1:
+            raise _fail("context parallelism inside a pipeline is not built yet",
+                        {"cp": self.cp, "pp": self.pp},
+                        f"Layout(cp={self.cp}, pp=1), or pp={self.pp} without context parallelism")
+        unit = 2 * self.cp * (self.tp if self.sp else 1)
+        if self.seq_len % unit:
+            what = f"2 x cp x tp = {unit}" if self.sp and self.tp > 1 else f"2 x cp = {unit}"
+            raise _fail(f"context parallelism cuts each sequence of {self.seq_len} tokens into "
+                        f"{2 * self.cp} equal chunks"
+                        + (" split again by sequence parallelism" if unit > 2 * self.cp else "")
+                        + f": seq_len must be a multiple of {what}",
+                        {"seq_len": self.seq_len, "cp": self.cp, "tp": self.tp, "sp": self.sp},
+                        f"seq_len={-(-self.seq_len // unit) * unit}")
+
     def check(self) -> None:
         """Refuse values that contradict each other (see the module docstring)."""
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "n_microbatches",
@@ -283,11 +306,11 @@ class Layout:
             if not _positive(value):
                 raise _fail(f"{name} must be a positive integer", {name: value},
                             f"Layout({name}=1)")
-        for name, issue in (("cp", "context parallelism"), ("ep", "expert parallelism")):
-            if getattr(self, name) > 1:
-                raise _fail(f"{name}={getattr(self, name)}: {issue} is not built yet (the "
-                            "context/expert-parallel issue adds it)",
-                            {name: getattr(self, name)}, f"Layout({name}=1)")
+        if self.ep > 1:
+            raise _fail(f"ep={self.ep}: expert parallelism is not built yet (the "
+                        "context/expert-parallel issue adds it)", {"ep": self.ep}, "Layout(ep=1)")
+        if self.cp > 1:
+            self._check_cp()
         if not isinstance(self.ckpt_ratio, (int, float)) or isinstance(self.ckpt_ratio, bool) \
                 or not 0 <= self.ckpt_ratio <= 1:
             raise _fail("ckpt_ratio must be a number between 0 and 1 (the share of layers "

@@ -28,11 +28,12 @@ from .layout import Layout
 __all__ = ["PIECES", "checkpoint_group", "group_of", "init_mesh"]
 
 PIECES = {"schedule": "tp", "pipeline": "pp", "data": "dp", "fsdp": "dp_shard",
-          "checkpoint": "model"}
+          "context": "cp", "checkpoint": "model"}
 """Which mesh dimension each piece of a layout runs its collectives on: the schedule's
 tensor-parallel syncs (and the vocabulary-parallel embedding and loss), the pipeline's
 sends, the data-parallel gradient average and batch split, FSDP2's shards (with HSDP's
-replicas), the checkpoint written by one data-parallel replica (without FSDP2; with it
+replicas), the context-parallel exchange of keys and values (its ranks also average
+gradients with the data-parallel ones: the mesh's ``dp_cp`` view), the checkpoint written by one data-parallel replica (without FSDP2; with it
 every rank writes: :func:`checkpoint_group`)."""
 
 
@@ -80,13 +81,13 @@ def checkpoint_group(layout: Layout, mesh: Mesh | None) -> tuple[Any, bool]:
     (:func:`torchloom.save` / :func:`torchloom.load`), and whether it writes.
 
     Without FSDP2 the data-parallel replicas hold the same tensors: the ranks of replica
-    0 (its pipeline x tensor-parallel ranks, the mesh's ``model`` view) write one
-    checkpoint of the whole model, and every replica loads it over its own ``model``
-    group. With FSDP2 or HSDP each rank holds its own shards: every rank writes and
+    0 (its pipeline x tensor-parallel ranks, the mesh's ``model`` view; of context-parallel
+    rank 0, since those ranks hold the same tensors too) write one checkpoint of the whole
+    model, and every replica loads it over its own ``model`` group. With FSDP2 or HSDP each rank holds its own shards: every rank writes and
     loads, over the default group (None). One checkpoint for every layout, so a run
     resumes into another layout by loading it (resharded on load)."""
     if mesh is None:
         return None, True
     if layout.dp_shard > 1:
         return None, True
-    return mesh.group("model"), mesh.local_rank("dp") == 0
+    return mesh.group("model"), mesh.local_rank("dp") == 0 and mesh.local_rank("cp") == 0

@@ -161,7 +161,7 @@ class Parallelized:
     def no_sync(self, skip: bool) -> Any:
         """Skip the data-parallel gradient reduction of a micro-step that is not the last
         (no pipeline: a pipeline accumulates inside its schedule)."""
-        if not skip or self.layout.dp == 1 or self.layout.pp > 1:
+        if not skip or self.layout.dp * self.layout.cp == 1 or self.layout.pp > 1:
             return contextlib.nullcontext()
         if self.fsdp:
             return _fsdp_no_sync(self.model)
@@ -392,7 +392,10 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         _apply_schedule(root, layout, {**(knobs or {}), **more})
     if layout.tp > 1:
         done.groups["schedule"] = PIECES["schedule"]
-    # 2. context and expert parallelism: refused by Layout.check until built
+    # 2. context parallelism (expert parallelism: refused by Layout.check until built)
+    if layout.cp > 1:
+        root.context_parallel(mesh.group("cp") if mesh is not None else None)
+        done.groups["context"] = PIECES["context"]
     done.stacks = _stacks(sch, schedule_at, stacks)
     # (Float8: the layers' linear layers, after their shards and syncs, with replace)
     if layout.float8:
@@ -436,7 +439,9 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         done.model = done.module = pipe
         done.ties = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
         return done
-    target = "ddp" if layout.dp_replicate > 1 and layout.dp_shard == 1 else None
+    # context-parallel ranks average their gradients too (DDP over dp x cp when no FSDP2)
+    replicas = layout.dp_replicate * layout.cp
+    target = "ddp" if replicas > 1 and layout.dp_shard == 1 else None
     built, _ = build(sch, target=target, mesh=mesh, device=device, weights=weights,
                      strict=strict)
     if layout.dp_shard > 1:

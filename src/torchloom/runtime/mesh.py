@@ -9,13 +9,19 @@ adjacent, pipeline stages farthest apart), and flattens three more views of it:
   gradients over and a data-parallel rank's share of the batch is taken from;
 * ``"stage"``: every rank of one pipeline stage (``dp_replicate x dp_shard x cp x tp``):
   the group a stage's checkpoint is written by;
-* ``"model"``: every rank of one data-parallel replica (``pp x cp x tp``): together they
-  hold the whole model once (without FSDP, the group one replica writes a checkpoint with).
+* ``"model"``: the ``pp x tp`` ranks of one data-parallel replica and context-parallel
+  rank: together they hold the whole model once (without FSDP, the group one replica
+  writes a checkpoint with);
+* ``"dp_cp"``: every data-parallel and context-parallel rank (``dp_replicate x dp_shard
+  x cp``): the ranks that hold the same parameters and average their gradients (the
+  context-parallel ranks compute parts of the same sequences); ``"dp"`` itself when
+  ``cp`` is 1.
 
 A :class:`Mesh` holds them; ``mesh[name]`` is the 1-D mesh of a dimension (or a
 flattened view), :meth:`Mesh.group` its process group and :meth:`Mesh.local_rank` this
 rank's place in it, :attr:`Mesh.fsdp_mesh` what FSDP2 shards over (``dp_shard``, or the
-2-D ``(dp_replicate, dp_shard)`` mesh of HSDP). Every group torchloom uses for a layout
+2-D ``(dp_replicate, dp_shard)`` mesh of HSDP; with context parallelism ``dp_shard x cp``
+flattened, as torchtitan does), :attr:`Mesh.grad_view` the view DDP averages gradients over. Every group torchloom uses for a layout
 comes from here: the tensor-parallel group of the schedule, the pipeline group of
 ``build``, the data-parallel group of DDP, FSDP2's mesh.
 
@@ -47,9 +53,9 @@ __all__ = ["DIMS", "Mesh", "make_mesh"]
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
-FLAT = ("dp", "stage", "model")
+FLAT = ("dp", "stage", "model", "dp_cp")
 """The flattened views: every data-parallel rank; every rank of one pipeline stage; every
-rank of one data-parallel replica."""
+rank of one copy of the model; every rank that averages the same gradients."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,11 @@ class Mesh:
     stage: Any
     """The flattened ``(dp_replicate, dp_shard, cp, tp)`` mesh."""
     model: Any
-    """The flattened ``(pp, cp, tp)`` mesh."""
+    """The flattened ``(pp, tp)`` mesh."""
+    dp_cp: Any = None
+    """The flattened ``(dp_replicate, dp_shard, cp)`` mesh (None: ``cp`` is 1, ``dp``)."""
+    dp_shard_cp: Any = None
+    """The flattened ``(dp_shard, cp)`` mesh FSDP2 shards over (None: ``cp`` is 1)."""
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -81,6 +91,8 @@ class Mesh:
             return self.stage
         if name == "model":
             return self.model
+        if name == "dp_cp":
+            return self.dp_cp if self.dp_cp is not None else self.dp
         if name not in DIMS:
             raise BuildError(f"the mesh has no dimension {name!r}", primitive="Mesh",
                              values={"name": name, "dims": list(DIMS + FLAT)},
@@ -98,15 +110,30 @@ class Mesh:
         """This rank's index along dimension (or view) ``name``."""
         return int(self[name].get_local_rank())
 
+    def shard_group(self) -> Any:
+        """The process group FSDP2 shards each parameter over (``dp_shard``, or
+        ``dp_shard x cp`` with context parallelism); HSDP's replicas are not in it."""
+        return self.dp_shard_cp.get_group() if self.dp_shard_cp is not None \
+            else self.group("dp_shard")
+
+    @property
+    def grad_view(self) -> str:
+        """The view whose ranks average gradients: ``"dp_cp"`` with context parallelism,
+        else ``"dp"``."""
+        return "dp_cp" if self.dp_cp is not None else "dp"
+
     @property
     def fsdp_mesh(self) -> Any:
         """What FSDP2 shards over: the 2-D ``(dp_replicate, dp_shard)`` mesh of HSDP when
         both are above 1, else the flattened data-parallel mesh (``dp_shard`` alone, or
         ``build(target="fsdp")`` over the replicas of :func:`init_mesh`'s ``dp``)."""
+        shard = "dp_shard_cp" if self.dp_shard_cp is not None else "dp_shard"
         if self.size("dp_replicate") > 1 and self.size("dp_shard") > 1:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                return self.root["dp_replicate", "dp_shard"]
+                return self.root["dp_replicate", shard]
+        if self.dp_shard_cp is not None:
+            return self.dp_shard_cp
         if self.size("dp_shard") > 1:
             return self.root["dp_shard"]
         return self.dp
@@ -140,5 +167,9 @@ def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int 
                             mesh_dim_names=DIMS)
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     stage = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
-    model = root["pp", "cp", "tp"]._flatten("model")
-    return Mesh(root, dp, stage, model)
+    model = root["pp", "tp"]._flatten("model")
+    if cp == 1:
+        return Mesh(root, dp, stage, model)
+    dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return Mesh(root, dp, stage, model, dp_cp, dp_shard_cp)

@@ -132,7 +132,7 @@ def wrap_data_parallel(model: nn.Module, target: str | None, mesh: Any,
     if target == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        group = (dp_mesh.group("dp") if isinstance(dp_mesh, Mesh) else
+        group = (dp_mesh.group(dp_mesh.grad_view) if isinstance(dp_mesh, Mesh) else
                  dp_mesh.get_group() if dp_mesh is not None else None)
         return DistributedDataParallel(model, process_group=group)
     return fully_shard_model(model, dp_mesh, fsdp_units)
