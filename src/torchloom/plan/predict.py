@@ -51,6 +51,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.errors import PlanError
 from .layout import OPTIMIZERS, Layout, check_model
 from .pipeline import bubble_share, order
 from .profiles import Profile, get_profile
@@ -283,6 +284,10 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
             :class:`~torchloom.core.errors.LayoutError` for the stage split), a dtype the
             profile lacks, a model the planner does not support.
     """
+    if layout.cp > 1:
+        raise PlanError("the planner does not model context parallelism yet",
+                        primitive="torchloom plan", values={"cp": layout.cp},
+                        fix="plan the layout with cp=1 (torchloom train --cp builds it)")
     spec = model_spec(model, size=size, seq_len=layout.seq_len)
     prof = get_profile(profile)
     check_model(layout, spec)
