@@ -13,6 +13,9 @@ are masked by distance too) from their default configs with the sizes changed.
 from __future__ import annotations
 
 import copy
+import functools
+import os
+import shutil
 
 import pytest
 import torch
@@ -45,9 +48,9 @@ def _mistral() -> nn.Module:
     return T.MistralForCausalLM(T.MistralConfig(**SIZES, sliding_window=24)).train()
 
 
-def _batch(padded: bool) -> dict[str, torch.Tensor]:
+def _batch(padded: bool, vocab: int = 64) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, SIZES["vocab_size"], (2, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (2, SEQ), generator=g)
     labels = ids.clone()
     labels[0, :5] = -100
     batch = {"input_ids": ids, "labels": labels}
@@ -110,6 +113,25 @@ def _check_cp_alone(rank: int) -> None:
             assert done.module.config._attn_implementation == "torchloom_context_parallel"
 
 
+FAMILIES = ("llama", "qwen2", "qwen2_mqa", "mistral", "gemma", "phi3", "qwen3", "olmo2",
+            "starcoder2", "mixtral", "qwen2_moe", "minicpm3")
+
+
+def _check_families(rank: int) -> None:
+    """Every causal-LM family of the transformers-plan tests, from its default config with
+    the sizes changed: cp 2 equals one process (loss, logits, gradients)."""
+    from tests import hf_plan_models as H
+
+    for name in FAMILIES:
+        torch.manual_seed(0)
+        reference = getattr(H, name)().train()
+        done = _build(reference, Layout(cp=2, seq_len=SEQ))
+        try:
+            _compare(done, reference, padded=False)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
+
+
 def _check_cp_refusals(rank: int) -> None:
     done = _build(_llama(), Layout(cp=2, seq_len=SEQ))
     with pytest.raises(ContextParallelError, match=r"a sequence of 30 tokens does not split "
@@ -128,6 +150,23 @@ def _check_train(rank: int) -> None:
     dp = train_rank(rank, TrainConfig(dp=2, **common))
     # cp 2 splits each sequence; dp 2 splits the batch: one step, the same gradients
     torch.testing.assert_close(torch.tensor(cp["losses"]), torch.tensor(dp["losses"]),
+                               rtol=1e-5, atol=0)
+
+
+def _check_resume(root: str, rank: int) -> None:
+    """A cp 2 run's checkpoint resumes at dp 2 (another layout) where the cp run went on."""
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    common = dict(model="llama", steps=4, batch_size=2, seq_len=32, progress=False,
+                  save_every=2, save_dir=root)
+    whole = train_rank(rank, TrainConfig(cp=2, **common))
+    dist.barrier()
+    if rank == 0:  # as if the run had stopped after step 2
+        shutil.rmtree(os.path.join(root, "step-4"))
+    dist.barrier()
+    resumed = train_rank(rank, TrainConfig(dp=2, resume=True, **common))
+    assert resumed["first_step"] == 3, resumed["first_step"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][2:]),
                                rtol=1e-5, atol=0)
 
 
@@ -158,8 +197,9 @@ def _check_cp_with_fsdp(rank: int) -> None:
         torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
 
 
-def test_context_parallel_on_two_ranks():
-    spawn(_check_cp_alone, _check_cp_refusals, _check_train, timeout_s=300)
+def test_context_parallel_on_two_ranks(tmp_path):
+    spawn(_check_cp_alone, _check_families, _check_cp_refusals, _check_train,
+          functools.partial(_check_resume, str(tmp_path)), timeout_s=300)
 
 
 def test_context_parallel_on_four_ranks():
