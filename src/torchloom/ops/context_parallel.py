@@ -114,6 +114,15 @@ def _token_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
     return torch.argsort(gathered)
 
 
+def _bias_ok() -> bool:
+    """Whether a ``CausalBias`` can be made: not under a Python dispatch mode (a memory or
+    FLOP counter, fake tensors), where the tensor subclass cannot be created; the same
+    mask is then built explicitly."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is None
+
+
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                     cp: int, rank: int, is_causal: bool = True, scale: float | None = None,
                     dropout_p: float = 0.0, sliding_window: int | None = None,
@@ -140,9 +149,11 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k, v = key[:, :, start:end], value[:, :, start:end]
         plain = is_causal and sliding_window is None and key_padding is None
         mask: Any = None
-        if plain and start == 0:
+        if plain and _bias_ok():
             from torch.nn.attention.bias import causal_lower_right
 
+            # the kernel aligns the causal mask to the end of the keys: no mask in memory,
+            # and the flash kernel stays eligible on CUDA
             mask = causal_lower_right(c, end)
         elif is_causal or key_padding is not None:
             positions = torch.arange(j * c, (j + 1) * c, device=q.device)[:, None]
