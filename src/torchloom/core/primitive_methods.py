@@ -51,6 +51,10 @@ class PrimitiveMethods:
         """``torch.compile`` in place (``torchloom.primitives.compile``)."""
         _unregistered("compile")
 
+    def context_parallel(self, group: Any = None) -> None:
+        """Split every sequence over ``group`` (``torchloom.primitives.context_parallel``)."""
+        _unregistered("context_parallel")
+
     def cut_pipeline_stage(self) -> None:
         """End a pipeline stage after this module (``torchloom.primitives.cut_pipeline_stage``)."""
         _unregistered("cut_pipeline_stage")
