@@ -132,6 +132,35 @@ def _check_families(rank: int) -> None:
             raise AssertionError(f"{name}: {err}") from None
 
 
+def _check_verify(rank: int) -> None:
+    """Verify compares a context-parallel model module by module with the original: each
+    rank's positions of every activation, the gradients, and names the first module that
+    differs when the schedule is wrong."""
+    from torchloom.ops.context_parallel import CPState
+
+    layout = Layout(cp=2, seq_len=SEQ)
+    mesh = init_mesh(layout, device_type="cpu")
+    batch = _batch(padded=True)
+    model = _mistral()
+    sch = create_schedule(model, mesh)
+    with tl.Verify(sch, batch) as verify:
+        sch.context_parallel(mesh.group("cp"))
+    assert verify.stats["forward output"] >= 20, verify.stats
+    assert verify.stats["parameter gradient"] == len(list(model.parameters()))
+    assert verify.stats["input gradient"] >= 10, verify.stats
+    model = _mistral()
+    sch = create_schedule(model, mesh)
+    with pytest.raises(tl.VerificationError, match=r"sch\['model.layers.0.self_attn.o_proj'\]"
+                       r"(.|\n)*the forward output differs"):
+        with tl.Verify(sch, batch):
+            sch.context_parallel(mesh.group("cp"))
+            # a bug: the first layer's attention takes the other rank's positions
+            attn = model.model.layers[0].self_attn
+            state = get_mark(attn, CONTEXT_PARALLEL)
+            wrong = CPState(state.group, state.size, 1 - state.rank, state.path)
+            tl.core.marks.set_mark(attn, CONTEXT_PARALLEL, wrong)
+
+
 def _check_cp_refusals(rank: int) -> None:
     done = _build(_llama(), Layout(cp=2, seq_len=SEQ))
     with pytest.raises(ContextParallelError, match=r"a sequence of 30 tokens does not split "
@@ -198,7 +227,7 @@ def _check_cp_with_fsdp(rank: int) -> None:
 
 
 def test_context_parallel_on_two_ranks(tmp_path):
-    spawn(_check_cp_alone, _check_families, _check_cp_refusals, _check_train,
+    spawn(_check_cp_alone, _check_families, _check_verify, _check_cp_refusals, _check_train,
           functools.partial(_check_resume, str(tmp_path)), timeout_s=300)
 
 

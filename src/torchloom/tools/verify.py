@@ -74,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ScheduleError, VerificationError
-from ..core.marks import SYNCS, get_mark
+from ..core.marks import CONTEXT_PARALLEL, SYNCS, get_mark
 from ..core.meta import ShardSpec, shard_spec
 from ..core.outputs import tensors_in
 from ..core.placement import output_placement
@@ -249,6 +249,9 @@ class Verify:
         self._meta = False  # the model had meta tensors on entry: materialised on exit
         self.reference: nn.Module | None = None
         self._recipe_start = 0
+        #: the model's context-parallel state while comparing (None: no context parallelism)
+        self._cp: Any = None
+        self._seq = 0
         #: what the last verification compared: tensors per phase (incomparable ones,
         #: such as modules a replacement introduced, are not counted)
         self.stats: dict[str, int] = {}
@@ -313,6 +316,8 @@ class Verify:
                 with C.guard_collective("broadcast", "Verify", self.sch.group,
                                         path=self.sch.path):
                     dist.broadcast(x, src=src, group=self.sch.group)
+            if self._cp is not None:  # the context-parallel ranks split the same sequences
+                _broadcast_in(self._cp.group, [x], self.sch.path)
             return x
 
         return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}
@@ -391,12 +396,22 @@ class Verify:
         assert self.reference is not None
         model = self.sch.mod
         reference = self.reference.to(self.device)
+        cp = get_mark(model, CONTEXT_PARALLEL)
+        self._cp = cp if cp is not None and cp.size > 1 else None
+        if self._cp is not None:  # every context-parallel rank starts from rank 0's weights
+            with torch.no_grad():
+                _broadcast_in(self._cp.group, [t.data for m in (model, reference)
+                                               for t in (*m.parameters(), *m.buffers())],
+                              self.sch.path)
         saved = self._save([model, reference])
         self._tracker_start = get_rng_tracker().get_states()
         ref_rec = _Recorder(reference, self.check_backward)
         rec = _Recorder(model, self.check_backward)
         try:
             args, kwargs = self._inputs()
+            first = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            self._seq = int(first.shape[1]) if isinstance(first, torch.Tensor) and \
+                first.dim() > 1 else 0
             self._run(reference, ref_rec, args, kwargs)
             try:
                 self._run(model, rec, args, kwargs)
@@ -507,6 +522,8 @@ class Verify:
                          module: nn.Module | None, forward: bool) -> torch.Tensor | None:
         """The part of ``ref`` this rank's ``value`` should equal, or None if the two
         cannot be compared."""
+        if self._cp is not None:  # this rank's positions of a sequence axis
+            ref = self._cp_positions(value, ref)
         if value.shape == ref.shape:
             return ref
         if value.dim() != ref.dim():
@@ -523,6 +540,18 @@ class Verify:
         local = ShardSpec(axis=axis, full_shape=tuple(ref.shape), world_size=world,
                           rank=C.group_rank(self.sch.group), chunks=chunks)
         return local.slice(ref)
+
+    def _cp_positions(self, value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """``ref`` with only this context-parallel rank's positions along its first axis of
+        the whole sequence's length (where ``value`` has ``1 / cp`` of them)."""
+        from ..ops.context_parallel import shard_index
+
+        cp = self._cp
+        for axis in range(min(ref.dim(), value.dim())):
+            if ref.shape[axis] == self._seq and value.shape[axis] * cp.size == self._seq:
+                index = shard_index(self._seq, cp.size, cp.rank, ref.device)
+                return ref.index_select(axis, index)
+        return ref
 
     def _is_partial(self, path: str, module: nn.Module, forward: bool) -> bool:
         """Whether the recorded value of ``module`` is a legitimate per-rank partial sum:
@@ -561,10 +590,13 @@ class Verify:
                 continue
             bound = self.atol + self.rtol * float(ref.double().abs().max())
             excess.append(float(diff.max()) - bound)
-        if self._distributed() and excess:
+        # every rank the schedule spans agrees: the tensor-parallel group, or with
+        # context parallelism every rank
+        group = None if self._cp is not None else self.sch.group
+        if (self._distributed() or self._cp is not None) and excess:
             tensor = torch.tensor([(-1e300 if e != e else e) for e in excess], dtype=torch.float64)
-            with C.guard_collective("all_reduce", "Verify", self.sch.group, path=self.sch.path):
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.sch.group)
+            with C.guard_collective("all_reduce", "Verify", group, path=self.sch.path):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
             excess = [float("nan") if (e != e) else float(t) for e, t in zip(excess, tensor.tolist())]
         return excess
 
@@ -578,6 +610,11 @@ class Verify:
                 pairs.append((record.value, None))
                 continue
             value = record.value
+            if self._cp is not None and not forward:
+                # the loss is summed over the context-parallel ranks, and its backward hands
+                # every rank cp times its own part (the gradient average over dp x cp
+                # undoes it): compare the part itself
+                value = value / self._cp.size
             if record.module is not None and self._is_partial(record.path, record.module, forward):
                 value = C.all_reduce_raw(value, self.sch.group)  # a sum of per-rank parts
             pairs.append((value, self._local_reference(value, ref.value, record.module, forward)))
@@ -607,7 +644,10 @@ class Verify:
             elif expected.shape != param.grad.shape:
                 continue
             names.append(name)
-            pairs.append((param.grad, expected))
+            mine = param.grad
+            if self._cp is not None:  # the average over the context-parallel ranks
+                mine = C.all_reduce_raw(mine, self._cp.group) / self._cp.size
+            pairs.append((mine, expected))
         self.stats["parameter gradient"] = len(pairs)
         for name, (value, grad), excess in zip(names, pairs, self._errors(pairs)):
             if excess == excess and excess > 0 and grad is not None:
@@ -618,3 +658,11 @@ class Verify:
                     {"phase": "parameter gradient", "parameter": name,
                      "max_abs_error": float((value.double() - grad.double()).abs().max())},
                 )
+
+
+def _broadcast_in(group: Any, tensors: list[torch.Tensor], path: str) -> None:
+    """Broadcast ``tensors`` in place from rank 0 of ``group``."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with C.guard_collective("broadcast", "Verify", group, path=path):
+        for tensor in tensors:
+            dist.broadcast(tensor, src=src, group=group)
