@@ -15,8 +15,13 @@ Beside each row, the same layout with torchloom's default loss (``chunked``: the
 cross-entropy over row chunks with its gradient made in the forward, vocabulary-sharded
 under tensor parallelism) and what it saves.
 
-The rows with context parallelism above 1 are listed and not predicted: torchloom has no
-context parallelism yet (its issue follows this one).
+The rows with context parallelism are predicted as configured: Table 2 (8B, 8 GPUs, FSDP
+x CP = 8, the sequence growing with the CP degree, 32,768 x CP tokens, full
+checkpointing) but its FSDP 1 x CP 8 row, where torchtitan shards FSDP2 over the CP ranks
+alone, which torchloom's layouts do not express (``dp_shard=1`` with ``cp`` runs DDP over
+them: a different run); Table 6's CP rows (405B, PP 8 x TP 8 x FSDP x CP) are listed and not
+predicted, since torchloom refuses context parallelism inside a pipeline
+(``Layout(pp>1, cp>1)``), so there is no torchloom run to predict.
 
 Usage (2 CPU cores, no GPU; about a minute)::
 
@@ -40,6 +45,7 @@ from typing import Any
 import torch
 import transformers
 
+from torchloom.core.errors import LayoutError
 from torchloom.core.rules import even_cuts
 from torchloom.parallel.layout import Layout
 from torchloom.plan import predict
@@ -84,7 +90,7 @@ class Row:
         layers = LLAMA31[self.model][2]
         cuts = tuple(even_cuts(layers, stages)) if self.pp > 1 and layers % stages else None
         return Layout(
-            dp_shard=self.fsdp, tp=self.tp, sp=self.tp > 1, pp=self.pp,
+            dp_shard=self.fsdp, tp=self.tp, sp=self.tp > 1, pp=self.pp, cp=self.cp,
             pipeline_schedule=self.schedule, stages_per_rank=per_rank if self.pp > 1 else None,
             stage_cuts=cuts, n_microbatches=micro, micro_batch=self.local_batch // micro,
             seq_len=self.seq_len, ac=self.ac, compile=self.compile, float8=self.float8,
@@ -130,14 +136,17 @@ ROWS = _rows()
 
 
 def config_dir(model: str, root: str) -> str:
-    """A Llama 3.1 config folder (``save_pretrained``; nothing downloaded)."""
+    """A Llama 3.1 config folder (``save_pretrained``; nothing downloaded). Positions:
+    262,144, the longest sequence of the tables (Llama 3.1's config says 131,072; torchtitan
+    sizes its rotary table from the run's sequence length, and transformers' rotary
+    embedding holds nothing per position, so the field changes no prediction)."""
     hidden, inter, layers, heads, kv = LLAMA31[model]
     path = os.path.join(root, f"llama-3.1-{model}")
     if not os.path.exists(os.path.join(path, "config.json")):
         transformers.LlamaConfig(
             hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv, vocab_size=128256,
-            max_position_embeddings=131072, rope_theta=500000.0,
+            max_position_embeddings=262144, rope_theta=500000.0,
             tie_word_embeddings=False).save_pretrained(path)
     return path
 
@@ -165,8 +174,17 @@ def evaluate(rows: list[Row], root: str, profile: str = "h100-96gb") -> list[dic
         item: dict[str, Any] = {"table": row.table, "run": row.name, "model": row.model,
                                 "gpus": row.gpus, "published_tps": row.tps,
                                 "published_gib": row.gib}
-        if row.cp > 1:
-            item["status"] = "not predicted: context parallelism is not built yet"
+        try:
+            row.layout()
+        except LayoutError as exc:  # context parallelism inside a pipeline
+            item["status"] = f"not predicted: {str(exc).splitlines()[0]}"
+            out.append(item)
+            continue
+        if row.cp > 1 and row.fsdp == 1:
+            # torchtitan shards FSDP2 over dp_shard x cp even with dp_shard = 1; torchloom
+            # shards only with dp_shard > 1 (else DDP over dp x cp): not the same run
+            item["status"] = ("not predicted: torchtitan runs FSDP2 over the CP ranks alone "
+                              "(dp_shard 1); torchloom's Layout(dp_shard=1, cp) runs DDP")
             out.append(item)
             continue
         spec = model_spec(config_dir(row.model, root), seq_len=row.seq_len)
@@ -198,6 +216,11 @@ def _order_checks(items: list[dict[str, Any]]) -> list[str]:
         leaner = b["predicted_gib"] < a["predicted_gib"]
         lines.append(f"Table 5: interleaved 1F1B faster than 1F1B: "
                      f"{'yes' if faster else 'NO'}; leaner: {'yes' if leaner else 'NO'}")
+    cps = [i for i in (by.get(("2", f"FSDP {8 // cp}, CP {cp}")) for cp in (1, 2, 4, 8)) if i]
+    if len(cps) > 1:
+        down = all(cps[i + 1]["predicted_tps"] < cps[i]["predicted_tps"]
+                   for i in range(len(cps) - 1))
+        lines.append(f"Table 2: throughput falls with the CP degree: {'yes' if down else 'NO'}")
     for t in ("1", "3"):
         rows = [by.get((t, n)) for n in ("FSDP", "FSDP + compile", "FSDP + compile + float8")]
         if all(rows):
@@ -245,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     met = sum(i["met"] for i in predicted)
     print(f"\n{met} of {len(predicted)} predicted rows within the targets (memory "
           f"{MEMORY_TARGET:.0%}, tokens/s {THROUGHPUT_TARGET:.0%}); "
-          f"{len(items) - len(predicted)} rows wait for context parallelism")
+          f"{len(items) - len(predicted)} rows not predicted (their status says why)")
     print(f"slowest fixed-layout plan: {max(i['seconds'] for i in predicted):.1f} s; "
           f"all rows: {elapsed:.0f} s on {os.cpu_count()} CPU cores "
           f"({platform.processor() or platform.machine()}), torch {torch.__version__}, "

@@ -2,7 +2,8 @@
 before renting the GPUs.
 
 * With the degrees given (``--tp``, ``--pp``, ``--dp``; one may be left out and is
-  derived from ``--gpus``; ``--dp-mode ddp|fsdp|hsdp`` with ``--dp-replicate R`` for
+  derived from ``--gpus`` / ``--cp``, the context-parallel degree, 1 by default;
+  ``--dp-mode ddp|fsdp|hsdp`` with ``--dp-replicate R`` for
   HSDP; ``--pipeline-schedule`` any of GPipe, 1F1B, Interleaved1F1B,
   InterleavedZeroBubble, ZBVZeroBubble with ``--stages-per-rank``; ``--ckpt-ratio`` or
   ``--ac full|op``): a table per pipeline rank of memory by kind (parameters,
@@ -105,6 +106,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     bf16 = layout.mixed_precision == "bf16"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
                               "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
+                              "cp": layout.cp,
                               "pp": layout.pp, "dp_mode": layout.dp_mode,
                               "dtype": "bf16" if bf16 else "fp32",
                               "sequence_parallel": layout.sp,
@@ -128,7 +130,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     if spec.size is not None:
         flags += ["--size", spec.size]
     flags += ["--batch-size", str(layout.batch_size), "--seq-len", str(layout.seq_len)]
-    for name in ("tp", "dp", "pp"):
+    for name in ("tp", "cp", "dp", "pp"):
         if getattr(layout, name) > 1:
             flags += [f"--{name}", str(getattr(layout, name))]
     if layout.dp > 1:
@@ -422,6 +424,9 @@ def plan_command(
     batch_size: int = typer.Option(None, min=1, help="Sequences per optimizer step over all "
                                    "ranks (default: one per GPU)."),
     tp: int = typer.Option(None, min=1, help="Tensor-parallel degree."),
+    cp: int = typer.Option(1, min=1, help="Context-parallel degree (each sequence split "
+                           "between cp ranks; no pipeline): the other degrees share --gpus / "
+                           "cp ranks."),
     pp: int = typer.Option(None, min=1, help="Pipeline stages."),
     dp: int = typer.Option(None, min=1, help="Data-parallel degree."),
     dp_mode: str = typer.Option(None, help="ddp, fsdp or hsdp (default: ddp and fsdp "
@@ -503,7 +508,11 @@ def plan_command(
     common = dict(param_dtype=param_dtype, mixed_precision=mixed, optimizer=optimizer,
                   compile=compile_, float8=float8)
     extra = dict(loss=loss, async_tp=async_tp)
-    degrees = _degrees(gpus, tp, pp, dp)
+    if gpus % cp:
+        raise PlanError(f"--gpus {gpus} does not divide by --cp {cp}", primitive="torchloom plan",
+                        values={"gpus": gpus, "cp": cp}, fix="a --cp that divides --gpus")
+    degrees = _degrees(gpus // cp, tp, pp, dp)
+    extra["cp"] = cp
     device = "cpu" if profile.name.startswith("local-cpu") else "cuda"
     payload: dict[str, Any]
     if degrees is not None:

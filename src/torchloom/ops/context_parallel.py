@@ -45,8 +45,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +116,22 @@ def _token_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
     return torch.argsort(gathered)
 
 
+_MASK_FREE = contextvars.ContextVar("torchloom_cp_mask_free", default=False)
+
+
+@contextlib.contextmanager
+def mask_free_causal_chunks() -> Iterator[None]:
+    """For cost measurement only (the planner, on fake tensors): where a query chunk would
+    take the lower-right ``CausalBias`` (a GPU kernel's mask that never exists in memory),
+    pass no mask at all, so that what is measured holds no mask either. The positions
+    each query sees are then wrong: never use it to compute."""
+    token = _MASK_FREE.set(True)
+    try:
+        yield
+    finally:
+        _MASK_FREE.reset(token)
+
+
 def _bias_ok() -> bool:
     """Whether a ``CausalBias`` can be made: not under a Python dispatch mode (a memory or
     FLOP counter, fake tensors), where the tensor subclass cannot be created; the same
@@ -149,7 +167,9 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k, v = key[:, :, start:end], value[:, :, start:end]
         plain = is_causal and sliding_window is None and key_padding is None
         mask: Any = None
-        if plain and _bias_ok():
+        if plain and _MASK_FREE.get():
+            mask = None
+        elif plain and _bias_ok():
             from torch.nn.attention.bias import causal_lower_right
 
             # the kernel aligns the causal mask to the end of the keys: no mask in memory,

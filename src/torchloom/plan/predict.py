@@ -25,6 +25,12 @@ What the composition models beyond the measured pieces:
   wraps them), every layer under ``ac="full"``; ``ac="op"`` (op-level selective,
   torchtitan's policy: ``checkpoint(policy="op")``) is measured, its checkpointed layers
   run under that policy;
+* **context parallelism** (``cp``, no pipeline): measured with the ``context_parallel``
+  primitive on rank 0 of a fake ``cp`` group (its ``S / cp`` tokens, the K / V
+  all-gathers and their reduce-scatters, the saved gathered K / V, the loss all-reduce);
+  the causal share of the chunks' attention is :func:`causal_share`; the ``cp``
+  collectives are timed in line (:func:`_cp_seconds`); gradients average over
+  ``dp x cp`` (DDP), FSDP2 shards over ``dp_shard x cp``;
 * **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
   (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
   schedule step as :func:`torchloom.parallelize` builds it.
@@ -51,7 +57,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import PlanError
 from .layout import OPTIMIZERS, Layout, check_model
 from .pipeline import bubble_share, order
 from .profiles import Profile, get_profile
@@ -164,6 +169,16 @@ class Kernels:
 
     compile: bool = False
     float8: bool = False
+    causal_share: float = CAUSAL_SHARE  # of causal attention's counted FLOPs executed
+
+
+def causal_share(cp: int) -> float:
+    """The share of the counted causal-attention FLOPs the kernels execute on one of ``cp``
+    context-parallel ranks: half (:data:`CAUSAL_SHARE`) for one; else its query chunks
+    ``j = r, 2cp - 1 - r`` (``c = S / 2cp`` tokens) run against ``(j + 1) c`` keys, counted
+    ``(2cp + 1) c^2`` scores of which the kernel skips half of each last ``c x c`` block:
+    ``2cp / (2cp + 1)``, i.e. ``1 / cp`` of the whole causal attention per rank."""
+    return CAUSAL_SHARE if cp <= 1 else 2 * cp / (2 * cp + 1)
 
 
 def _seconds(seg: SegmentCost, profile: Profile, kernels: Kernels = Kernels()) -> float:
@@ -172,7 +187,7 @@ def _seconds(seg: SegmentCost, profile: Profile, kernels: Kernels = Kernels()) -
     for flops, moved, dtype, kind in seg.matmuls:
         peak = profile.flops.get(dtype) or profile.flops.get("fp32", 1.0)
         if kind == "causal":
-            flops = round(flops * CAUSAL_SHARE)
+            flops = round(flops * kernels.causal_share)
         if kernels.float8 and kind == "linear" and "fp8" in profile.flops and \
                 dtype in ("bf16", "fp16"):
             peak = profile.flops["fp8"]
@@ -284,10 +299,6 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
             :class:`~torchloom.core.errors.LayoutError` for the stage split), a dtype the
             profile lacks, a model the planner does not support.
     """
-    if layout.cp > 1:
-        raise PlanError("the planner does not model context parallelism yet",
-                        primitive="torchloom plan", values={"cp": layout.cp},
-                        fix="plan the layout with cp=1 (torchloom train --cp builds it)")
     spec = model_spec(model, size=size, seq_len=layout.seq_len)
     prof = get_profile(profile)
     check_model(layout, spec)
@@ -298,7 +309,7 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
                   "model" if layout.pp == 1 else "next_token",
                   layout.dp_replicate if layout.dp_shard > 1 else 1,
                   layout.reduce_dtype if layout.dp_shard > 1 else None,
-                  "op" if layout.ac == "op" else None, layout.loss)
+                  "op" if layout.ac == "op" else None, layout.loss, layout.cp)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -341,12 +352,14 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
                  ) -> tuple[tuple[CollectiveTotal, ...], float, float, float]:
     """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel.
     Mesh strides: ``tp`` innermost, then ``dp_shard`` (``dp``), ``dp_replicate``, ``pp``."""
-    stride = {"tp": 1, "dp": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
-              "pp": layout.tp * layout.dp}
-    if layout.dp_shard == 1:
-        stride["dp"] = layout.tp  # DDP's replicas, adjacent to the tensor-parallel ranks
+    cp = layout.cp
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * cp,
+              "dp_replicate": layout.tp * layout.dp_shard * cp, "pp": layout.tp * layout.dp * cp}
+    if layout.dp_shard == 1 or cp > 1:
+        # DDP's replicas (dp x cp) or FSDP2's dp_shard x cp: next to the tp ranks
+        stride["dp"] = layout.tp
     merged: dict[tuple[str, str], list[float]] = {}
-    times = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    times = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "cp": 0.0}
     for (kind, group, gsize, nbytes), count in sorted(comm.items()):
         if group == "tie":  # the first and the last stage, (pp - 1) * tp * dp ranks apart
             link = profile.link(2, layout.tp * layout.dp * max(1, layout.pp - 1))
@@ -354,7 +367,7 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
             link = profile.link(gsize, stride.get(group, 1))
         secs = count * (_ring(kind, gsize, nbytes, link * profile.link_efficiency)
                         + profile.collective_latency)
-        times["tp" if group == "tp" else "pp" if group == "pp" else "dp"] += secs
+        times[group if group in ("tp", "pp", "cp") else "dp"] += secs
         slot = merged.setdefault((kind, group), [0, 0, 0.0])
         slot[0] += count
         slot[1] += count * nbytes
@@ -364,12 +377,24 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
     return totals, times["tp"], times["pp"], times["dp"]
 
 
+def _cp_seconds(comm: Counter, layout: Layout, profile: Profile) -> float:
+    """Seconds of a step's ``cp`` collectives (K / V all-gathers, also in recomputation,
+    their gradients' reduce-scatters, the loss all-reduce): the ring model over ``cp``
+    ranks ``tp`` apart (one node when ``tp x cp`` fits), not overlapped with compute (the
+    attention waits for its keys: the kernel gathers in line)."""
+    if layout.cp == 1:
+        return 0.0
+    link = profile.link(layout.cp, layout.tp) * profile.link_efficiency
+    return sum(count * (_ring(kind, size, nbytes, link) + profile.collective_latency)
+               for (kind, group, size, nbytes), count in comm.items() if group == "cp")
+
+
 def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
             cross: Crossing | None) -> Prediction:
     """Compose a prediction from a measurement (see :func:`predict`)."""
     L = spec.num_layers
     layers = _Layers(units, profile, L, layout.checkpointed(L),
-                     Kernels(layout.compile, layout.float8))
+                     Kernels(layout.compile, layout.float8, causal_share(layout.cp)))
     seg = units.segments
     e_f = _piece(seg["E.f"], profile)
     e_b = _piece(seg["E.b"], profile, units.grads["E"], units.largest["E"])
@@ -390,12 +415,13 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     out = []
     for r in roles:
         bubble = max(0.0, pipe - n * r.per_microbatch)
-        out.append(RolePrediction(r.stage, layout.tp * layout.dp, r.layers, r.memory, r.flops,
+        out.append(RolePrediction(r.stage, layout.tp * layout.dp * layout.cp, r.layers, r.memory, r.flops,
                                   r.totals, Time(r.compute, r.exposed, bubble, r.optimizer,
                                                  step), r.memory.reserved <= profile.budget,
                                   r.model_flops))
-    total_flops = sum(r.flops for r in out) * layout.tp * layout.dp
-    model_flops = sum(r.model_flops for r in out) * layout.tp * layout.dp
+    ranks = layout.tp * layout.dp * layout.cp
+    total_flops = sum(r.flops for r in out) * ranks
+    model_flops = sum(r.model_flops for r in out) * ranks
     return Prediction(spec.name, layout, profile, tuple(out), step, total_flops,
                       _notes(layout, units), model_flops)
 
@@ -417,8 +443,14 @@ def _notes(layout: Layout, units: Units) -> tuple[str, ...]:
                      "first backward and its gradients accumulate unsharded until the "
                      "step's end (torch.distributed.pipelining), then reduce-scatter once")
     if layout.dp_mode == "hsdp":
-        notes.append(f"HSDP: sharded over {layout.dp_shard} ranks, gradients all-reduced "
-                     f"across {layout.dp_replicate} replicas")
+        notes.append(f"HSDP: sharded over {layout.dp_shard * layout.cp} ranks, gradients "
+                     f"all-reduced across {layout.dp_replicate} replicas")
+    if layout.cp > 1:
+        shard = (f"FSDP2 shards over dp_shard x cp = {layout.dp_shard * layout.cp} ranks"
+                 if layout.dp_shard > 1 else f"DDP over dp x cp = {layout.dp * layout.cp}")
+        notes.append(f"context parallelism: {layout.seq_len // layout.cp} of "
+                     f"{layout.seq_len} tokens per rank; each layer all-gathers K and V "
+                     f"over {layout.cp} ranks (not overlapped with compute); {shard}")
     if layout.pp > 1 and layout.per_rank > 1:
         notes.append(f"{layout.pipeline_schedule}: {layout.per_rank} stages per rank; "
                      "the bubble is "
@@ -446,7 +478,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     count = layout.stages
     first, last = 0 in stages, count - 1 in stages
     fsdp = units.key.fsdp > 1
-    ddp = layout.dp > 1 and not fsdp
+    ddp = layout.dp * layout.cp > 1 and not fsdp  # DDP averages over dp x cp
     mine = [j for k in stages for j in spans[k]]
     # ---- what the rank holds
     params = len(mine) * units.params["L2"]
@@ -577,11 +609,12 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
             for c, num in part.items():
                 comm[c] += num * _fsdp_times(c, backward, fsdp, pp, n, before[k])
     if ddp:
-        comm[("all_reduce", "dp", layout.dp, grads)] += 1  # DDP's buckets; a pipeline's loop
+        # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
+        comm[("all_reduce", "dp", layout.dp * layout.cp, grads)] += 1
         if pp == 1 and model_buffers:
             # DDP broadcasts the buffers in a forward that follows a synchronised backward:
             # once per step (the first micro-step's; no_sync skips the others)
-            comm[("broadcast", "dp", layout.dp, model_buffers)] += 1
+            comm[("broadcast", "dp", layout.dp * layout.cp, model_buffers)] += 1
     if cross is not None:
         for k in stages:
             c_in, f_in, c_out, f_out = sizes[k]
@@ -598,6 +631,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     totals, tp_time, p2p_time, dp_time = _collectives(comm, layout, profile)
     if layout.async_tp:
         tp_time *= 1.0 - ASYNC_TP_HIDDEN
+    tp_time += _cp_seconds(comm, layout, profile)  # exposed in line, like tensor parallelism
     bwd_compute = n * sum(pieces[k][1].seconds for k in stages)
     if profile.overlap:
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))
@@ -659,4 +693,4 @@ def _unsharded_ratio(layout: Layout, units: Units) -> float:
 
     compute = DTYPES[units.key.mixed_precision or units.key.param_dtype].itemsize
     param = DTYPES[units.key.param_dtype].itemsize
-    return max(0.0, layout.dp_shard * compute / param - 1.0)
+    return max(0.0, layout.dp_shard * layout.cp * compute / param - 1.0)

@@ -10,7 +10,11 @@ divide the batch; DDP or FSDP2 (under a pipeline too), and HSDP when asked for
 (``dp_mode="hsdp"``: every ``dp_replicate`` that splits the data-parallel ranks, or the
 one given); sequence parallelism with tensor parallelism (on by default: the same bytes
 as plain tensor parallelism, less activation memory); the checkpoint ratios (or
-``ac="full"`` / ``"op"``) and micro-batch sizes asked for. What a degree fixed by the
+``ac="full"`` / ``"op"``) and micro-batch sizes asked for; context parallelism at the
+degree asked for (``cp``, 1 by default; ``cp=None`` tries every degree that divides the
+ranks left by tensor parallelism, without a pipeline, where the sequence splits into
+``2 cp`` chunks (``2 cp tp`` with sequence parallelism): the data-parallel degree is then
+``gpus / (tp x pp x cp)``, and FSDP2 shards over ``dp_shard x cp``). What a degree fixed by the
 caller leaves is searched. Every layout is a :class:`torchloom.Layout` as
 ``torchloom train`` makes it (``grad_accum`` micro-steps without a pipeline,
 ``n_microbatches`` with one).
@@ -96,6 +100,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                       param_dtype: str = "fp32", mixed_precision: str | None = None,
                       optimizer: str = "adamw", loss: str = "chunked",
                       compile: bool = False, float8: bool = False, async_tp: bool = False,
+                      cp: int | None = 1,
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every valid layout (see the module docstring), and the ones refused with why.
     ``dp_mode``: ``"ddp"``, ``"fsdp"`` or ``"hsdp"`` (None: DDP and FSDP2);
@@ -103,7 +108,8 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
     ratios; ``pipeline_schedule`` and ``stages_per_rank``: the pipelines'; ``loss``,
     ``compile``, ``float8``, ``async_tp``: the :class:`~torchloom.parallel.layout.Layout`
     fields of every layout (``loss="parallel"`` is ``"full"`` and ``async_tp`` off where a
-    layout has no tensor parallelism or no sequence parallelism: they need it)."""
+    layout has no tensor parallelism or no sequence parallelism: they need it); ``cp``: the
+    context-parallel degree (None: every valid one, see the module docstring)."""
     out: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
     ratios = [0.0] if ac else list(ckpt_ratios)
@@ -112,10 +118,10 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
         if gpus % t:
             continue
         pps = [pp] if pp else _divisors(gpus // t)
-        for p in pps:
-            if (gpus // t) % p:
+        for p, c in [(q, c) for q in pps for c in _cps(cp, gpus, t, q)]:
+            if (gpus // t) % (p * c):
                 continue
-            d = gpus // (t * p)
+            d = gpus // (t * p * c)
             if dp is not None and d != dp:
                 continue
             if batch_size % d:
@@ -138,7 +144,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                                                  else {"grad_accum": n})
                         for r in ratios:
                             try:
-                                lay = Layout(tp=t, sp=s, pp=p, dp_replicate=rep,
+                                lay = Layout(tp=t, sp=s, pp=p, cp=c, dp_replicate=rep,
                                              dp_shard=shard, **pipe, **steps,
                                              micro_batch=mb, seq_len=seq_len, ckpt_ratio=r,
                                              ac=ac, param_dtype=param_dtype,
@@ -159,6 +165,16 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
     return out, rejected
 
 
+def _cps(cp: int | None, gpus: int, tp: int, pp: int) -> list[int]:
+    """The context-parallel degrees to try beside ``tp`` and ``pp`` (``Layout`` refuses
+    the ones the sequence does not split into, and any above 1 under a pipeline)."""
+    if cp is not None:
+        return [cp]
+    if pp > 1 or gpus % (tp * pp):
+        return [1]
+    return _divisors(gpus // (tp * pp))
+
+
 def _layer_params(spec: ModelSpec) -> tuple[int, int]:
     """(parameters of one layer, the others) of the model, from its meta build."""
     model = spec.build(depth=1)
@@ -172,7 +188,8 @@ def state_lower_bound(layout: Layout, layer_params: int, num_layers: int) -> int
     rank: its stages' layers split between the tensor-parallel ranks (and the FSDP2
     shards), in the parameter dtype."""
     per_rank = max(layout.stage_layers(num_layers)) * layout.per_rank
-    share = layout.tp * layout.dp_shard
+    # FSDP2 shards over dp_shard x cp; DDP keeps whole parameters on every cp rank
+    share = layout.tp * layout.dp_shard * (layout.cp if layout.dp_shard > 1 else 1)
     size = DTYPES[layout.param_dtype].itemsize
     return per_rank * layer_params // share * size * (2 + OPTIMIZERS[layout.optimizer])
 

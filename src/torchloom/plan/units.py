@@ -74,6 +74,10 @@ class UnitKey:
             (``checkpoint(policy="op")``) instead of recomputing everything.
         loss_mode: how the cross-entropy is computed (:data:`~torchloom.parallel.layout.LOSSES`),
             as :func:`torchloom.parallelize` builds it.
+        cp: the context-parallel degree: the measured rank is rank 0 of a fake ``cp``
+            group, the model under the ``context_parallel`` primitive (its attention
+            all-gathers the keys and values, its inputs are this rank's ``seq_len / cp``
+            tokens); FSDP2 then shards over ``fsdp x cp`` ranks.
     """
 
     tp: int = 1
@@ -88,6 +92,7 @@ class UnitKey:
     reduce_dtype: str | None = None
     ac: str | None = None
     loss_mode: str = "full"
+    cp: int = 1
 
     def layout(self) -> Any:
         """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
@@ -99,7 +104,7 @@ class UnitKey:
                       dp_replicate=self.replicate if self.fsdp > 1 else 1,
                       micro_batch=self.micro_batch, seq_len=self.seq_len,
                       param_dtype=self.param_dtype, mixed_precision=self.mixed_precision,
-                      reduce_dtype=self.reduce_dtype, loss=self.loss_mode)
+                      reduce_dtype=self.reduce_dtype, loss=self.loss_mode, cp=self.cp)
 
 
 @dataclass
@@ -270,10 +275,30 @@ def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
     hsdp = key.fsdp > 1 and key.replicate > 1
     out: dict[str, str] = {}
     for dim, label in (("dp", "dp"), ("dp_replicate", "dp_replicate" if hsdp else "dp"),
-                       ("dp_shard", "dp"), ("tp", "tp")):
+                       ("dp_shard", "dp"), ("tp", "tp"), ("cp", "cp")):
         if mesh.size(dim) > 1:
             out[mesh.group(dim).group_name] = label
+    if key.cp > 1 and key.fsdp > 1:
+        # FSDP2 shards over dp_shard x cp flattened (one group, labelled as FSDP2's)
+        out[mesh.shard_group().group_name] = "dp"
     return out
+
+
+@contextlib.contextmanager
+def _cp_kernels(cp: int) -> Iterator[None]:
+    """Run the context-parallel attention as it runs on a GPU: there each causal query
+    chunk takes a lower-right causal ``CausalBias`` (no mask in memory); on fake tensors
+    that tensor subclass cannot be made and the kernel would build the same mask as a
+    tensor kept for backward, which no GPU run holds. Measured without a mask instead
+    (:func:`~torchloom.ops.context_parallel.mask_free_causal_chunks`): the SDPA shapes,
+    FLOPs and saved tensors are the GPU's."""
+    if cp == 1:
+        yield
+        return
+    from ..ops.context_parallel import mask_free_causal_chunks
+
+    with mask_free_causal_chunks():
+        yield
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -330,6 +355,8 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         apply_knobs(sch, spec, knobs, schedule)
         if key.ac == "op":
             sch[spec.layers].checkpoint(ratio=ckpt_layers / depth, policy="op")
+        if key.cp > 1:  # as torchloom.parallelize: after the schedule, over the cp group
+            sch.context_parallel(mesh.group("cp") if mesh is not None else None)
         layers: Any = model.get_submodule(spec.layers)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         if key.fsdp > 1:
@@ -416,7 +443,8 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
 
     params = {id(p): p for p in model.parameters()}
     try:
-        with mode, fsdp_storage_resizes(tracker), tracker, unpacked_sequences():
+        with mode, fsdp_storage_resizes(tracker), tracker, unpacked_sequences(), \
+                _cp_kernels(key.cp):
             for t in [*params.values(), *model.buffers(), *inputs.values()]:
                 tracker.track(t)
             start = tracker.current

@@ -1,0 +1,120 @@
+"""The planner's model of context parallelism (``Layout(cp=N)``): measured with the
+``context_parallel`` primitive applied, as rank 0 of a fake ``cp`` group, on fake tensors
+(single process, a tiny Llama)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from torchloom.apps.plan_cli import app
+from torchloom.core.errors import LayoutError
+from torchloom.plan import Layout, predict
+from torchloom.plan.predict import causal_share
+from torchloom.plan.spec import model_spec
+from torchloom.plan.units import UnitKey, measure_units
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return model_spec("llama")
+
+
+@pytest.fixture(scope="module")
+def units(spec):
+    return {cp: measure_units(spec, UnitKey(micro_batch=1, seq_len=SEQ, cp=cp))
+            for cp in (1, 2)}
+
+
+def _kv_bytes(spec, seq: int) -> int:
+    """One of K or V of the whole sequence (fp32, one sequence)."""
+    c = spec.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    return seq * c.num_key_value_heads * head_dim * 4
+
+
+def test_cp2_halves_layer_activations(spec, units):
+    # a checkpointed layer keeps its input only: exactly the local tokens, half
+    one, two = units[1].segments, units[2].segments
+    assert two["L1.f"].delta * 2 == one["L1.f"].delta
+    # a plain layer: half of everything per token, plus what attention keeps of the
+    # gathered keys and values of the whole sequence (SDPA saves its inputs): at most
+    # K + V of the whole sequence above half (tiny model: K/V are 1/4 of the hidden size)
+    half = one["L2.f"].delta / 2
+    extra = two["L2.f"].delta - half
+    assert 0 < extra <= 2 * _kv_bytes(spec, SEQ)
+    # and the forward's FLOPs: linear products halve, attention falls to (2cp+1)/(4cp^2)
+    assert two["L2.f"].flops < 0.5 * one["L2.f"].flops
+
+
+def test_collectives_per_layer(spec, units):
+    seg = units[2].segments
+    kv = _kv_bytes(spec, SEQ)
+    fwd = [(c.kind, c.group, c.size, c.bytes) for c in seg["L2.f"].collectives]
+    bwd = [(c.kind, c.group, c.size, c.bytes) for c in seg["L2.b"].collectives]
+    assert fwd == [("all_gather", "cp", 2, kv)] * 2  # K and V, gathered bytes
+    assert bwd == [("reduce_scatter", "cp", 2, kv)] * 2  # their gradients
+    # a checkpointed layer gathers again in its recomputation
+    kinds = sorted(c.kind for c in seg["L1.b"].collectives)
+    assert kinds == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    assert units[1].segments["L2.f"].collectives == []
+
+
+def test_prediction_counts_and_times_cp(spec):
+    p = predict(spec, Layout(cp=2, seq_len=SEQ), "h100-80gb")
+    role = p.roles[0]
+    totals = {(c.kind, c.group): c for c in role.collectives}
+    layers = spec.num_layers
+    assert totals[("all_gather", "cp")].count == 2 * layers
+    assert totals[("reduce_scatter", "cp")].count == 2 * layers
+    assert totals[("all_gather", "cp")].bytes == 2 * layers * _kv_bytes(spec, SEQ)
+    assert ("all_reduce", "cp") in totals  # the loss
+    # DDP averages the gradients over dp x cp = 2 ranks
+    assert totals[("all_reduce", "dp")].count == 1
+    assert role.ranks == 2 and p.layout.world == 2
+    # each sequence is counted once: tokens per step are the layout's
+    assert p.tokens_per_s == pytest.approx(SEQ / p.step_time)
+    assert causal_share(1) == 0.5 and causal_share(2) == pytest.approx(4 / 5)
+
+
+def test_fsdp_shards_over_dp_shard_times_cp(spec):
+    base = predict(spec, Layout(seq_len=SEQ), "h100-80gb").roles[0].memory
+    cp = predict(spec, Layout(dp_shard=2, cp=2, seq_len=SEQ), "h100-80gb").roles[0].memory
+    four = predict(spec, Layout(dp_shard=4, seq_len=SEQ), "h100-80gb").roles[0].memory
+    assert cp.optimizer == four.optimizer
+    assert cp.parameters == four.parameters
+    # FSDP2 pads each shard to a multiple of the group: within 1% of a quarter
+    assert cp.optimizer == pytest.approx(base.optimizer / 4, rel=0.01)
+
+
+def test_pipeline_with_cp_refused():
+    with pytest.raises(LayoutError, match="context parallelism inside a pipeline"):
+        Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ)
+
+
+def test_cli_cp(tmp_path):
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["llama", "--gpus", "4", "--cp", "2", "--tp", "1",
+                                      "--pp", "1", "--dp-mode", "fsdp", "--seq-len", str(SEQ),
+                                      "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "cp2" in result.output and "--cp 2" in result.output
+    data = json.loads(out.read_text())
+    assert data["layout"]["cp"] == 2 and data["layout"]["dp_shard"] == 2
+    assert data["peak_gib"] > 0 and data["tokens_per_s_per_gpu"] > 0
+    groups = {c["group"] for c in data["roles"][0]["collectives"]}
+    assert {"cp", "dp"} <= groups
+
+
+def test_search_tries_valid_cp_degrees(spec):
+    from torchloom.plan.search import enumerate_layouts
+
+    layouts, _ = enumerate_layouts(spec, 8, batch_size=8, seq_len=20, cp=None, pp=1,
+                                   micro_batches=(1,), ckpt_ratios=(0.0,))
+    cps = {lay.cp for lay in layouts}
+    assert cps == {1, 2}  # 20 tokens split into 2 x cp chunks for cp 1, 2 only (not 4, 8)
+    assert all(lay.world == 8 for lay in layouts)
