@@ -78,8 +78,8 @@ from torch import nn
 from ..core.errors import ContextParallelError
 from ..core.marks import CONTEXT_PARALLEL, PIPELINE_CUT, has_mark, set_mark
 from ..core.registry import primitive
-from ..ops.context_parallel import CPState, register_attention, shard_index
 from ..runtime import collectives as C
+from ..runtime.context_attention import CPState, register_attention, shard_index
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
