@@ -7,6 +7,8 @@
   written with matrix products (the same outputs up to fp32 round-off).
 * :class:`UnseededCheckpoint`: a checkpoint wrapper with a planted bug (the recompute
   draws other dropout masks), for the checks that must catch it.
+* :func:`assert_grads_match`: every gradient of a built module against the unsharded
+  reference's (a tensor-parallel shard against its slice, an FSDP2 shard gathered).
 
 The factories are module-level functions, so a recipe stores them by import path
 (``tests.helpers:make_explicit_mlp``).
@@ -17,6 +19,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import torchloom as tl
+
+
+def assert_grads_match(module: nn.Module, reference: nn.Module, **tol: float) -> None:
+    """Each parameter gradient of ``module`` equals ``reference``'s at the same name: a
+    parameter ``shard`` split is compared with its slice of the reference gradient, an
+    FSDP2 (DTensor) gradient as the whole tensor it shards."""
+    ref_params = dict(reference.named_parameters())
+    for name, param in module.named_parameters():
+        expected = ref_params[name].grad
+        spec = tl.shard_spec(param)
+        if spec is not None:
+            expected = spec.slice(expected)
+        grad = param.grad
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        torch.testing.assert_close(grad, expected, **tol, msg=f"grad of {name}")
 
 
 class TanhGelu(nn.Module):

@@ -166,3 +166,15 @@ def test_layout_checks_context_parallelism():
         tl.Layout(cp=2, tp=2, sp=True, seq_len=36)
     with pytest.raises(LayoutError, match=r"context parallelism inside a pipeline is not built"):
         tl.Layout(cp=2, pp=2, n_microbatches=2, seq_len=64)
+
+
+def test_train_with_cp_on_too_few_ranks_says_the_launch_to_use():
+    from torchloom.apps.train import TrainConfig, train_rank
+    from torchloom.core.errors import TrainOptionError
+
+    with pytest.raises(TrainOptionError,
+                       match=r"--tp 1 x --cp 2 x --dp 1 x --pp 1 = 2 ranks, but the run has 1"
+                       r"(.|\n)*fix: torchrun --nproc-per-node 2 -m torchloom train --tp 1 --cp 2 "
+                       r"--dp 1 --pp 1"):
+        train_rank(0, TrainConfig(model="llama", cp=2, steps=1, batch_size=2, seq_len=32,
+                                  progress=False))

@@ -25,6 +25,7 @@ from torch import nn
 
 import torchloom as tl
 from tests.dist import spawn
+from tests.helpers import assert_grads_match
 from torchloom.core.errors import ContextParallelError
 from torchloom.core.marks import CONTEXT_PARALLEL, get_mark
 from torchloom.ops.context_parallel import gather_sequence
@@ -84,13 +85,7 @@ def _compare(done, reference: nn.Module, padded: bool) -> dict[str, int]:
         ref_logits = ref.logits
     keep = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     torch.testing.assert_close(logits[keep], ref_logits.detach()[keep], **TOL)
-    ref_params = dict(reference.named_parameters())
-    for name, param in done.module.named_parameters():
-        expected = ref_params[name].grad
-        spec = tl.shard_spec(param)
-        if spec is not None:
-            expected = spec.slice(expected)
-        torch.testing.assert_close(_full(param.grad), expected, **TOL, msg=f"grad of {name}")
+    assert_grads_match(done.module, reference, **TOL)
     return dict(forward)
 
 

@@ -21,8 +21,8 @@ import torch
 import transformers as T
 from torch import nn
 
-import torchloom as tl
 from tests.dist import spawn
+from tests.helpers import assert_grads_match
 from torchloom.core.errors import LayoutError, ModelSizeError
 from torchloom.ops.loss import CausalLMLoss
 from torchloom.parallel import Layout, create_schedule, init_mesh, parallelize
@@ -72,13 +72,7 @@ def _run(done, reference: nn.Module, vocab: int = VOCAB) -> tuple[dict, dict, to
     ref = reference(**batch)
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, **LOSS_TOL)
-    ref_params = dict(reference.named_parameters())
-    for name, param in done.module.named_parameters():
-        expected = ref_params[name].grad
-        spec = tl.shard_spec(param)
-        if spec is not None:
-            expected = spec.slice(expected)
-        torch.testing.assert_close(param.grad, expected, **TOL, msg=f"grad of {name}")
+    assert_grads_match(done.module, reference, **TOL)
     return dict(forward), dict(backward), out.logits
 
 

@@ -140,11 +140,10 @@ def train_rank(rank: int, cfg: TrainConfig, report: Report | None = None) -> dic
     if cfg.world != world:
         raise TrainOptionError(
             f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} x --pp {cfg.pp} = {cfg.world} ranks, "
-            "but the run "
-            f"has {world}", primitive=_PRIMITIVE,
+            f"but the run has {world}", primitive=_PRIMITIVE,
             values={"tp": cfg.tp, "cp": cfg.cp, "dp": cfg.dp, "pp": cfg.pp, "world_size": world},
             fix=f"torchrun --nproc-per-node {cfg.world} -m torchloom train --tp {cfg.tp} "
-            f"--dp {cfg.dp} --pp {cfg.pp}")
+            f"--cp {cfg.cp} --dp {cfg.dp} --pp {cfg.pp}")
     if world == 1:
         check_config(cfg)
     was_deterministic = torch.are_deterministic_algorithms_enabled()

@@ -29,7 +29,8 @@ What the composition models beyond the measured pieces:
   primitive on rank 0 of a fake ``cp`` group (its ``S / cp`` tokens, the K / V
   all-gathers and their reduce-scatters, the saved gathered K / V, the loss all-reduce);
   the causal share of the chunks' attention is :func:`causal_share`; the ``cp``
-  collectives are timed in line (:func:`_cp_seconds`); gradients average over
+  collectives are timed in line (not overlapped: the attention waits for its keys);
+  gradients average over
   ``dp x cp`` (DDP), FSDP2 shards over ``dp_shard x cp``;
 * **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
   (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
@@ -349,9 +350,11 @@ _DP_GROUPS = frozenset({"dp", "dp_replicate"})
 
 
 def _collectives(comm: Counter, layout: Layout, profile: Profile
-                 ) -> tuple[tuple[CollectiveTotal, ...], float, float, float]:
-    """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel.
-    Mesh strides: ``tp`` innermost, then ``dp_shard`` (``dp``), ``dp_replicate``, ``pp``."""
+                 ) -> tuple[tuple[CollectiveTotal, ...], float, float, float, float]:
+    """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel,
+    context-parallel (the ``cp`` ranks ``tp`` apart: one node when ``tp x cp`` fits).
+    Mesh strides: ``tp`` innermost, then ``cp``, ``dp_shard`` (``dp``), ``dp_replicate``,
+    ``pp``."""
     cp = layout.cp
     stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * cp,
               "dp_replicate": layout.tp * layout.dp_shard * cp, "pp": layout.tp * layout.dp * cp}
@@ -374,19 +377,7 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
         slot[2] += secs
     totals = tuple(CollectiveTotal(kind, group, int(c), int(b), t)
                    for (kind, group), (c, b, t) in sorted(merged.items()))
-    return totals, times["tp"], times["pp"], times["dp"]
-
-
-def _cp_seconds(comm: Counter, layout: Layout, profile: Profile) -> float:
-    """Seconds of a step's ``cp`` collectives (K / V all-gathers, also in recomputation,
-    their gradients' reduce-scatters, the loss all-reduce): the ring model over ``cp``
-    ranks ``tp`` apart (one node when ``tp x cp`` fits), not overlapped with compute (the
-    attention waits for its keys: the kernel gathers in line)."""
-    if layout.cp == 1:
-        return 0.0
-    link = profile.link(layout.cp, layout.tp) * profile.link_efficiency
-    return sum(count * (_ring(kind, size, nbytes, link) + profile.collective_latency)
-               for (kind, group, size, nbytes), count in comm.items() if group == "cp")
+    return totals, times["tp"], times["pp"], times["dp"], times["cp"]
 
 
 def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
@@ -412,14 +403,14 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     fill = (pp - 1) * slowest * bubble_share(layout.pipeline_schedule, layout.per_rank)
     pipe = n * slowest + fill
     step = pipe + max(r.after for r in roles)
+    ranks = layout.tp * layout.dp * layout.cp
     out = []
     for r in roles:
         bubble = max(0.0, pipe - n * r.per_microbatch)
-        out.append(RolePrediction(r.stage, layout.tp * layout.dp * layout.cp, r.layers, r.memory, r.flops,
+        out.append(RolePrediction(r.stage, ranks, r.layers, r.memory, r.flops,
                                   r.totals, Time(r.compute, r.exposed, bubble, r.optimizer,
                                                  step), r.memory.reserved <= profile.budget,
                                   r.model_flops))
-    ranks = layout.tp * layout.dp * layout.cp
     total_flops = sum(r.flops for r in out) * ranks
     model_flops = sum(r.model_flops for r in out) * ranks
     return Prediction(spec.name, layout, profile, tuple(out), step, total_flops,
@@ -628,10 +619,10 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
                     comm[("send", "pp", pp, f_in)] += n
         if (first or last) and not (first and last) and units.shared:
             comm[("all_reduce", "tie", 2, units.shared)] += 1
-    totals, tp_time, p2p_time, dp_time = _collectives(comm, layout, profile)
+    totals, tp_time, p2p_time, dp_time, cp_time = _collectives(comm, layout, profile)
     if layout.async_tp:
         tp_time *= 1.0 - ASYNC_TP_HIDDEN
-    tp_time += _cp_seconds(comm, layout, profile)  # exposed in line, like tensor parallelism
+    tp_time += cp_time  # the K / V gathers: exposed in line, like tensor parallelism
     bwd_compute = n * sum(pieces[k][1].seconds for k in stages)
     if profile.overlap:
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))

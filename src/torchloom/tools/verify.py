@@ -278,12 +278,10 @@ class Verify:
                 fix="drop weights=, or build the model under tl.init_empty_weights()",
             )
         if self._distributed() and not self._meta:  # meta: materialised alike on each rank
-            src = dist.get_global_rank(self.sch.group, 0) if self.sch.group is not None else 0
             with torch.no_grad():
-                with C.guard_collective("broadcast", "Verify", self.sch.group,
-                                        path=self.sch.path):
-                    for tensor in [*model.parameters(), *model.buffers()]:
-                        dist.broadcast(tensor.data, src=src, group=self.sch.group)
+                _broadcast_in(self.sch.group, [t.data for t in (*model.parameters(),
+                                                                *model.buffers())],
+                              self.sch.path)
         self.reference = copy.deepcopy(model)
         self._recipe_start = len(self.sch.recipe)
         return self
@@ -312,10 +310,7 @@ class Verify:
                 return x
             x = x.detach().to(self.device).clone()
             if self._distributed():
-                src = dist.get_global_rank(self.sch.group, 0) if self.sch.group is not None else 0
-                with C.guard_collective("broadcast", "Verify", self.sch.group,
-                                        path=self.sch.path):
-                    dist.broadcast(x, src=src, group=self.sch.group)
+                _broadcast_in(self.sch.group, [x], self.sch.path)
             if self._cp is not None:  # the context-parallel ranks split the same sequences
                 _broadcast_in(self._cp.group, [x], self.sch.path)
             return x
