@@ -372,3 +372,12 @@ class ContextParallelError(OpsError):
 
 
 __all__ += ["ContextParallelError"]
+
+
+class ExpertParallelError(OpsError):
+    """A mixture-of-experts module, routing or layout that ``expert_parallel`` cannot spread
+    over ranks (:mod:`torchloom.primitives.expert_parallel`,
+    :mod:`torchloom.runtime.expert_dispatch`)."""
+
+
+__all__ += ["ExpertParallelError"]

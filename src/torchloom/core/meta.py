@@ -57,6 +57,11 @@ class ShardSpec:
             at TP=4: ranks 0, 1 hold head 0 and ranks 2, 3 head 1). ``gather`` takes one
             copy of each piece; the ranks sharing a piece must keep equal values (their
             gradients summed over those ranks, see :mod:`torchloom.schedules.llama`).
+        group: the process group the pieces are spread over when it is not the schedule's
+            tensor-parallel group (the expert-parallel group of the experts' weights,
+            :mod:`torchloom.primitives.expert_parallel`); None: the schedule's group.
+            ``world_size`` and ``rank`` are then this group's. Not compared, not copied
+            (a process group is shared, never duplicated).
     """
 
     axis: int
@@ -65,6 +70,10 @@ class ShardSpec:
     rank: int
     chunks: int = 1
     replicas: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardSpec:
+        return self  # frozen, and its process group must be shared, not copied
 
     def __repr__(self) -> str:
         extra = f", replicas={self.replicas}" if self.replicas != 1 else ""

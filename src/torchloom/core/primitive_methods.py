@@ -67,6 +67,11 @@ class PrimitiveMethods:
         """Make size attributes this rank's share (``torchloom.primitives.divide_attrs``)."""
         _unregistered("divide_attrs")
 
+    def expert_parallel(self, group: Any = None) -> None:
+        """Spread the experts of every mixture-of-experts module here over ``group``
+        (``torchloom.primitives.expert_parallel``)."""
+        _unregistered("expert_parallel")
+
     def find(self, pattern: Any) -> Any:
         """Matches of a regex, predicate or pattern (``torchloom.primitives.find``)."""
         _unregistered("find")

@@ -18,6 +18,7 @@ from . import (  # noqa: F401 - imported to register them
     cut_pipeline_stage,
     decompose,
     divide_attrs,
+    expert_parallel,
     find,
     fork_rng,
     fuse,

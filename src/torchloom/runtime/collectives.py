@@ -13,6 +13,7 @@ operation          forward                      backward
 ``all_gather``     concatenate along ``axis``   reduce-scatter (or keep own slice)
 ``reduce_scatter`` sum, keep own slice          all-gather
 ``scatter``        keep own slice of ``axis``   all-gather
+``all_to_all``     rows to ranks, by counts     the reverse all-to-all
 =================  ===========================  ==================================
 
 A reduce-scatter is one ``dist.reduce_scatter_single`` (gloo has it too): each rank
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from ..core.errors import CollectiveShapeError, CollectiveTimeoutError, ScheduleError
 
 __all__ = ["all_reduce", "all_reduce_raw", "copy_to_group", "all_gather", "reduce_scatter",
-           "scatter", "group_size", "group_rank", "count_collectives", "collective_site",
+           "scatter", "all_to_all", "group_size", "group_rank", "count_collectives", "collective_site",
            "guard_collective", "group_timeout"]
 
 #: (schedule path, primitive) of the collective in flight; set by ``sync`` hooks.
@@ -242,6 +243,17 @@ def _reduce_scatter(x: torch.Tensor, axis: int, group: Any, site: Site | None,
     return out.movedim(0, axis).contiguous()
 
 
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any,
+                site: Site | None, phase: str = "") -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    _record("all_to_all")
+    with _guard("all_to_all" + phase, group, site):
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
+                               group=group)
+    return out
+
+
 _BACKWARD = " (backward)"
 
 
@@ -300,6 +312,34 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_gather(grad, ctx.axis, ctx.group, ctx.site, _BACKWARD), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int],
+                group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.site = send, recv, group, _site.get()
+        return _all_to_all(x, send, recv, group, ctx.site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return (_all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.site, _BACKWARD),
+                None, None, None)
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int],
+               group: Any = None) -> torch.Tensor:
+    """Rows of ``x`` to the ranks of ``group``: the first ``send[0]`` rows to rank 0, the
+    next ``send[1]`` to rank 1, ...; the result holds ``recv[j]`` rows from each rank
+    ``j``, in rank order (variable split sizes; each rank's ``recv`` is the others'
+    ``send`` to it). The backward sends the gradients back the same way.
+
+    >>> all_to_all(torch.ones(3, 2), [3], [3]).shape      # a world of one: identity
+    torch.Size([3, 2])
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(send), list(recv), group)
 
 
 def all_reduce(x: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -27,7 +27,10 @@ def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str, *,
     ``group`` (its world size and rank) of an axis that splits evenly. ``within``: the
     group may also be a multiple of the tensor-parallel group (every rank of a pipeline
     stage, data-parallel ranks included, as a save of an FSDP model calls it); the rank
-    cannot be checked then (DCP checks that the pieces make up each tensor)."""
+    cannot be checked then (DCP checks that the pieces make up each tensor). A spec with
+    a group of its own (the experts' weights) is checked against that group."""
+    if spec.group is not None and not within:
+        group = spec.group
     size, rank = group_size(group), group_rank(group)
     stage = within and size > spec.world_size and size % spec.world_size == 0
     if not stage and (spec.world_size != size or spec.rank != rank):
@@ -84,7 +87,10 @@ def gather_full(key: str, tensor: torch.Tensor, spec: ShardSpec | None, group: A
 def gather_shards(key: str, tensor: torch.Tensor, spec: ShardSpec, group: Any,
                   primitive: str) -> torch.Tensor:
     """The full tensor of this rank's tensor-parallel piece ``tensor`` (shard spec
-    ``spec``): the pieces of every rank of ``group`` gathered (a collective)."""
+    ``spec``): the pieces of every rank of ``group`` (of the spec's own group when it has
+    one) gathered (a collective)."""
+    if spec.group is not None:
+        group = spec.group
     check_spec(key, spec, group, primitive)
     local = tensor.detach()
     if spec.world_size == 1:

@@ -1,0 +1,177 @@
+"""Token dispatch for experts spread over ranks (the kernel of
+:mod:`torchloom.primitives.expert_parallel`).
+
+A transformers mixture-of-experts block routes each token to ``k`` of ``E`` experts and
+calls its experts module as ``experts(hidden_states, top_k_index, top_k_weights)``: the
+``(N, H)`` tokens, the ``(N, k)`` chosen experts and their ``(N, k)`` routing weights;
+the result is ``sum_k weight_k * expert_k(token)`` per token. Under expert parallelism
+rank ``r`` of the ``ep`` ranks holds experts ``r * E / ep .. (r + 1) * E / ep - 1`` and
+:func:`dispatch` computes the same result:
+
+1. the ``N * k`` (token, expert) assignments are sorted by expert (stable, so within an
+   expert in token order); that groups them by the rank holding the expert;
+2. the per-expert counts go to every rank (one small all-to-all), so each rank knows how
+   many rows each peer sends it for each of its experts;
+3. the assigned tokens travel to their experts' ranks (an all-to-all with variable split
+   sizes, differentiable);
+4. each rank runs the module's own forward on what it received, with the experts' local
+   ids and routing weights of one (so any experts implementation transformers offers,
+   ``eager``, ``grouped_mm`` or ``batched_mm``, and any family's activation, bias or
+   interleaving stays the model's);
+5. the outputs travel back (the reverse all-to-all) and each token's contributions are
+   weighted by its routing weights and summed, in expert order, as the single-process
+   eager loop adds them.
+
+The router, its top-k, its normalisation and the load-balancing loss run before the
+experts module and are untouched. Assignments to an id outside ``0 .. E - 1`` (the
+"zero" experts some families route to) contribute nothing, as in the eager loop.
+Gradients: autograd sends each row's gradient back by the reverse all-to-all; an
+expert's gradient is the sum over every rank's tokens routed to it (the data-parallel
+average is :func:`torchloom.parallelize`'s, see :func:`expert_gradients`).
+
+A world of one (no group) computes everything locally:
+
+>>> import torch
+>>> from torch import nn
+>>> class Experts(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.num_experts = 4
+...         self.w = nn.Parameter(torch.randn(4, 3, 3))
+...     def forward(self, hidden_states, top_k_index, top_k_weights):
+...         out = torch.zeros_like(hidden_states)
+...         for slot in range(top_k_index.shape[1]):
+...             y = torch.einsum("nh,noh->no", hidden_states, self.w[top_k_index[:, slot]])
+...             out += y * top_k_weights[:, slot, None]
+...         return out
+>>> m = Experts()
+>>> x, idx, w = torch.randn(5, 3), torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+>>> state = EPState(group=None, size=1, rank=0, num_experts=4)
+>>> torch.allclose(dispatch(type(m).forward, m, x, idx, w, state), m(x, idx, w), atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import ExpertParallelError
+from . import collectives as C
+
+__all__ = ["EPState", "dispatch", "expert_gradients", "expert_params"]
+
+_PRIMITIVE = "expert_parallel"
+
+
+@dataclass
+class EPState:
+    """What one expert-parallel experts module knows of its group.
+
+    Attributes:
+        group: the expert-parallel process group (None: one rank).
+        size, rank: its size and this rank's place in it.
+        num_experts: the number of experts of the whole module (``E``); this rank holds
+            ``E / size`` of them, from ``rank * E / size`` on.
+        path: the module's schedule path (for messages).
+    """
+
+    group: Any
+    size: int
+    rank: int
+    num_experts: int
+    path: str = ""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EPState:
+        return self  # a copy of the module shares the group
+
+    @property
+    def local(self) -> int:
+        """Experts per rank."""
+        return self.num_experts // self.size
+
+
+def _check_routing(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                   state: EPState) -> None:
+    if index.dim() != 2 or index.shape[0] != x.shape[0] or tuple(weights.shape) != tuple(index.shape):
+        raise ExpertParallelError(
+            "the experts module was called with routing tensors of unexpected shapes",
+            path=state.path, primitive=_PRIMITIVE,
+            values={"hidden_states": tuple(x.shape), "top_k_index": tuple(index.shape),
+                    "top_k_weights": tuple(weights.shape)},
+            fix="call it as transformers' mixture-of-experts blocks do: (tokens, hidden), "
+            "(tokens, k) expert ids and (tokens, k) routing weights")
+
+
+def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
+             hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor, state: EPState) -> torch.Tensor:
+    """The experts module's output for this rank's tokens, with the experts spread over
+    ``state``'s group (see the module docstring). ``forward`` is the module's own forward
+    (unbound); ``module`` holds this rank's experts."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    index = top_k_index.reshape(x.shape[0], -1)
+    weights = top_k_weights.reshape(x.shape[0], -1)
+    _check_routing(x, index, weights, state)
+    k, experts = index.shape[1], state.num_experts
+    flat = index.reshape(-1)
+    valid = (flat >= 0) & (flat < experts)
+    with torch.no_grad():
+        # sorted by expert, stable: within one expert in token order (the eager loop's)
+        keyed = torch.where(valid, flat, torch.full_like(flat, experts))
+        order = torch.argsort(keyed, stable=True)
+        order = order[: int(valid.sum())]
+        tokens = order // k
+        counts = torch.bincount(flat[order], minlength=experts)  # per expert
+    send = counts.view(state.size, state.local).sum(1).tolist()
+    if state.size > 1:
+        received = torch.empty_like(counts)
+        with C.guard_collective("all_to_all", _PRIMITIVE, state.group, path=state.path):
+            dist.all_to_all_single(received, counts, group=state.group)
+        per_source = received.view(state.size, state.local)  # rows from j, per local expert
+    else:
+        per_source = counts.view(1, state.local)
+    recv = per_source.sum(1).tolist()
+    rows = C.all_to_all(x.index_select(0, tokens), send, recv, state.group)
+    local_ids = torch.arange(state.local, device=x.device).repeat(state.size)
+    local_ids = local_ids.repeat_interleave(per_source.reshape(-1).to(x.device))
+    ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=x.device)
+    out = forward(module, rows, local_ids[:, None], ones)
+    back = C.all_to_all(out, recv, send, state.group)
+    contrib = back * weights.reshape(-1).index_select(0, order)[:, None].to(back.dtype)
+    result = torch.zeros(x.shape, dtype=contrib.dtype, device=x.device)
+    result = result.index_add(0, tokens, contrib)
+    return result.to(hidden_states.dtype).reshape(shape)
+
+
+def expert_params(module: nn.Module, num_experts: int) -> list[str]:
+    """The names of ``module``'s own parameters and buffers with one entry per expert
+    (leading dimension ``num_experts``): what expert parallelism splits."""
+    names = [name for name, p in module.named_parameters(recurse=False)
+             if p is not None and p.dim() >= 1 and p.shape[0] == num_experts]
+    names += [name for name, b in module.named_buffers(recurse=False)
+              if b is not None and b.dim() >= 1 and b.shape[0] == num_experts]
+    return names
+
+
+def expert_gradients(params: list[nn.Parameter], replica_group: Any, dp: int) -> None:
+    """Average the gradients of expert-parallel ``params`` the way data parallelism
+    averages the rest: each holds the sum over its expert-parallel ranks' tokens; summed
+    over the ranks that hold the same experts (``replica_group``, the data-parallel ranks
+    outside the expert-parallel group; None: none) and divided by the ``dp``
+    data-parallel ranks, it is the gradient of the mean loss. A parameter no token
+    reached gets a zero gradient (every rank calls the same collectives)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if C.group_size(replica_group) > 1:
+            with C.guard_collective("all_reduce", _PRIMITIVE, replica_group):
+                dist.all_reduce(p.grad, group=replica_group)
+        if dp > 1:
+            p.grad.div_(dp)
