@@ -159,6 +159,9 @@ def train(
     tp: int = typer.Option(_train_default("tp"), help="Tensor-parallel degree."),
     cp: int = typer.Option(_train_default("cp"), help="Context-parallel degree (each "
                            "sequence split between the ranks; --seq-len a multiple of 2 cp)."),
+    ep: int = typer.Option(_train_default("ep"), help="Expert-parallel degree (of the --dp "
+                           "ranks: each holds 1/ep of every mixture-of-experts layer's "
+                           "experts)."),
     dp: int = typer.Option(_train_default("dp"), help="Data-parallel degree."),
     dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas), fsdp "
                                 "(FSDP2 shards) or hsdp (--dp-replicate groups of shards)."),

@@ -60,7 +60,7 @@ DECAYS = ("cosine", "linear", "constant")
 
 RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batches", "steps",
               "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps", "lr_decay",
-              "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "cp", "dp",
+              "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "cp", "ep", "dp",
               "dp_mode", "dp_replicate", "pp", "pipeline_schedule", "stages_per_rank",
               "stage_cuts", "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic",
               "loss", "float8")
@@ -68,7 +68,7 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
 
-LAYOUT_FIELDS = ("tp", "cp", "dp", "dp_mode", "dp_replicate", "pp", "pipeline_schedule",
+LAYOUT_FIELDS = ("tp", "cp", "ep", "dp", "dp_mode", "dp_replicate", "pp", "pipeline_schedule",
                  "stages_per_rank", "stage_cuts", "n_microbatches", "grad_accum",
                  "sequence_parallel",
                  "ckpt_ratio", "ac", "loss")
@@ -145,6 +145,10 @@ class TrainConfig:
     cp: int = 1
     """Context-parallel ranks: each sequence is split between them (``seq_len`` a
     multiple of ``2 x cp``); they average gradients with the data-parallel ranks."""
+    ep: int = 1
+    """Expert-parallel ranks, of the data-parallel ones (``ep`` divides ``dp``): each holds
+    ``1 / ep`` of every mixture-of-experts module's experts and the tokens are routed to
+    them (:mod:`torchloom.primitives.expert_parallel`)."""
     dp: int = 1
     dp_mode: str = "ddp"
     """How the data-parallel ranks share the model: ``ddp`` (replicas), ``fsdp`` (FSDP2
@@ -252,7 +256,7 @@ class TrainConfig:
         micro = self.micro_batch() // self.n_microbatches if self.pp > 1 else self.micro_batch()
         return Layout(
             dp_replicate=replicate, dp_shard=self.dp // replicate, tp=self.tp, cp=self.cp,
-            sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
+            ep=self.ep, sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
             stages_per_rank=self.stages_per_rank, stage_cuts=self.stage_cuts,
             n_microbatches=self.n_microbatches if self.pp > 1 else 1,
             grad_accum=self.grad_accum, micro_batch=max(1, micro), seq_len=self.seq_len,
@@ -309,6 +313,7 @@ _INTS = {  # name: (lowest allowed, what it is, example)
     "save_every": (0, "the checkpoint interval (0: at the end)", 20),
     "tp": (1, "the tensor-parallel degree", 2),
     "cp": (1, "the context-parallel degree", 2),
+    "ep": (1, "the expert-parallel degree", 2),
     "dp": (1, "the data-parallel degree", 2),
     "dp_replicate": (1, "the HSDP replica groups", 2),
     "pp": (1, "the number of pipeline stages", 2),

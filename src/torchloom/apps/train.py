@@ -267,20 +267,28 @@ class _Run:
 
     def grad_norm(self, params: list[nn.Parameter], tied: dict[int, int]) -> torch.Tensor:
         """The global L2 norm of the gradients: tensor-parallel shards summed over the tp
-        group, FSDP2 shards over the dp_shard group (HSDP's replicas hold them again), stages over the pp group; a weight tied
+        group, FSDP2 shards over the dp_shard group (HSDP's replicas hold them again), the
+        experts of expert parallelism over the ep group, stages over the pp group; a weight tied
         across ``n`` stages counted once (``tied``: id -> n)."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             if p.grad is None:
                 continue
             grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             sq = grad.detach().double().pow(2).sum() / tied.get(id(p), 1)
             spec = shard_spec(p)
-            if spec is not None and spec.world_size > 1:
+            if spec is not None and spec.group is not None:
+                experts += sq  # this rank's experts, whole (not FSDP2-sharded)
+            elif spec is not None and spec.world_size > 1:
                 sharded += sq
             else:
                 replicated += sq
+        if self.cfg.ep > 1 and self.mesh is not None:
+            group = self.mesh.group("ep")
+            with guard_collective("all_reduce", _PRIMITIVE, group):
+                dist.all_reduce(experts, group=group)
         both = torch.stack([sharded, replicated])
         if self.fsdp:
             # FSDP2 shards over dp_shard (x cp); HSDP's replicas hold the same shards again
@@ -290,7 +298,7 @@ class _Run:
         if self.cfg.tp > 1:
             with guard_collective("all_reduce", _PRIMITIVE, self.tp_group):
                 dist.all_reduce(both[:1], group=self.tp_group)
-        total = both.sum()
+        total = both.sum() + experts
         if self.cfg.pp > 1:
             with guard_collective("all_reduce", _PRIMITIVE, self.pp_group):
                 dist.all_reduce(total, group=self.pp_group)
@@ -464,6 +472,8 @@ class _Run:
                 loss = _step_loss(model, ids)
             (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
             total = total + loss.detach().float()
+        assert self.built is not None
+        self.built.reduce_gradients()  # the experts of expert parallelism (else nothing)
         return self.dp_mean(total / cfg.grad_accum if cfg.grad_accum > 1 else total)
 
     def no_sync(self, model: Any, skip: bool) -> Any:

@@ -229,6 +229,8 @@ def layout_text(cfg: TrainConfig) -> str:
         parts.append(f"tp{cfg.tp}{'+sp' if cfg.sequence_parallel else ''}")
     if cfg.cp > 1:
         parts.append(f"cp{cfg.cp}")
+    if cfg.ep > 1:
+        parts.append(f"ep{cfg.ep}")
     if cfg.pp > 1:
         accum = f" = {cfg.n_microbatches} x {cfg.grad_accum} accumulated" \
             if cfg.grad_accum > 1 else ""

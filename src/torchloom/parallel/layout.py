@@ -17,8 +17,13 @@ the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` mak
   parameters, so gradients are averaged over ``dp_replicate x dp_shard x cp`` and FSDP2
   shards over ``dp_shard x cp`` (torchtitan's layout); ``seq_len`` must be a multiple of
   ``2 cp`` (``2 cp tp`` with sequence parallelism); not inside a pipeline yet;
-* ``ep`` expert-parallel ranks: present so that a layout can name them, refused above 1
-  until torchloom builds them;
+* ``ep`` expert-parallel ranks, folded into the data-parallel ones (torchtitan's layout;
+  they add no ranks): each group of ``ep`` consecutive data-parallel ranks (inside one
+  HSDP replica: ``ep`` divides ``dp_shard``, or ``dp_replicate`` without FSDP2) splits
+  every mixture-of-experts module's experts between its ranks and routes each rank's
+  tokens to them (:mod:`torchloom.primitives.expert_parallel`); every other weight, and
+  the experts across the groups, is data-parallel as before. Not with context
+  parallelism or a pipeline yet;
 * ``tp`` tensor-parallel ranks (the schedule's Megatron layout), with ``sp`` sequence
   parallelism between their regions. Tensor-parallel ranks are the innermost (adjacent)
   ranks: the most communication stays on the fastest links.
@@ -86,6 +91,8 @@ _PRIMITIVE = "Layout"
 NOTATION = (
     ("tpN[+sp]", "N tensor-parallel ranks; +sp: sequence parallelism between their regions"),
     ("cpN", "N context-parallel ranks: each sequence split between them"),
+    ("epN", "N expert-parallel ranks (of the data-parallel ones): each holds 1/N of every "
+            "mixture-of-experts module's experts"),
     ("ppN(S xM[ vV])", "N pipeline ranks run by schedule S over M micro-batches per step; "
                        "vV: V stages per rank"),
     ("accumN", "N gradient-accumulation micro-steps per optimizer step"),
@@ -183,7 +190,8 @@ class Layout:
 
     @property
     def world(self) -> int:
-        """Ranks: ``pp * dp_replicate * dp_shard * cp * tp`` (``ep`` reuses them)."""
+        """Ranks: ``pp * dp_replicate * dp_shard * cp * tp`` (``ep`` reuses the
+        data-parallel ones)."""
         return self.pp * self.dp * self.cp * self.tp
 
     @property
@@ -257,6 +265,8 @@ class Layout:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             virtual = f" v{self.per_rank}" if self.per_rank > 1 else ""
             parts.append(f"pp{self.pp}({self.pipeline_schedule} x{self.micro_steps}{virtual})")
@@ -283,6 +293,27 @@ class Layout:
 
     # ---- checks
 
+    def _check_ep(self) -> None:
+        inside, name = ((self.dp_shard, "dp_shard") if self.dp_shard > 1
+                        else (self.dp_replicate, "dp_replicate"))
+        if inside % self.ep:
+            divisors = [d for d in range(2, inside + 1) if inside % d == 0]
+            fix = (f"Layout({name}={inside}, ep={divisors[-1]})" if divisors else
+                   f"Layout({name}={self.ep}, ep={self.ep})")
+            replica = ", inside one HSDP replica" if self.dp_mode == "hsdp" else ""
+            raise _fail(f"ep={self.ep} expert-parallel ranks are data-parallel ranks (of "
+                        f"{name} = {inside}{replica}), and they do not divide them",
+                        {"ep": self.ep, "dp_replicate": self.dp_replicate,
+                         "dp_shard": self.dp_shard},
+                        f"{fix}, or {name} a multiple of {self.ep}")
+        for other, value, what in (("cp", self.cp, "context parallelism"),
+                                   ("pp", self.pp, "a pipeline")):
+            if value > 1:
+                raise _fail(f"expert parallelism with {what} is not built yet",
+                            {"ep": self.ep, other: value},
+                            f"Layout(ep={self.ep}, {other}=1), or {other}={value} without "
+                            "expert parallelism")
+
     def _check_cp(self) -> None:
         if self.pp > 1:
             raise _fail("context parallelism inside a pipeline is not built yet",
@@ -307,8 +338,7 @@ class Layout:
                 raise _fail(f"{name} must be a positive integer", {name: value},
                             f"Layout({name}=1)")
         if self.ep > 1:
-            raise _fail(f"ep={self.ep}: expert parallelism is not built yet (the "
-                        "context/expert-parallel issue adds it)", {"ep": self.ep}, "Layout(ep=1)")
+            self._check_ep()
         if self.cp > 1:
             self._check_cp()
         if not isinstance(self.ckpt_ratio, (int, float)) or isinstance(self.ckpt_ratio, bool) \

@@ -28,12 +28,13 @@ from .layout import Layout
 __all__ = ["PIECES", "checkpoint_group", "group_of", "init_mesh"]
 
 PIECES = {"schedule": "tp", "pipeline": "pp", "data": "dp", "fsdp": "dp_shard",
-          "context": "cp", "checkpoint": "model"}
+          "context": "cp", "experts": "ep", "checkpoint": "model"}
 """Which mesh dimension each piece of a layout runs its collectives on: the schedule's
 tensor-parallel syncs (and the vocabulary-parallel embedding and loss), the pipeline's
 sends, the data-parallel gradient average and batch split, FSDP2's shards (with HSDP's
 replicas), the context-parallel exchange of keys and values (its ranks also average
-gradients with the data-parallel ones: the mesh's ``dp_cp`` view), the checkpoint written by one data-parallel replica (without FSDP2; with it
+gradients with the data-parallel ones: the mesh's ``dp_cp`` view), the experts'
+all-to-all dispatch (the ``ep`` groups of data-parallel ranks), the checkpoint written by one data-parallel replica (without FSDP2; with it
 every rank writes: :func:`checkpoint_group`)."""
 
 
@@ -61,7 +62,7 @@ def init_mesh(layout: Layout | None = None, device_type: str | None = None, *,
     if world == 1:
         return None
     return make_mesh(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                     cp=layout.cp, tp=layout.tp, device_type=device_type)
+                     cp=layout.cp, tp=layout.tp, ep=layout.ep, device_type=device_type)
 
 
 def group_of(mesh: Mesh | None, piece: str) -> Any:
@@ -88,6 +89,6 @@ def checkpoint_group(layout: Layout, mesh: Mesh | None) -> tuple[Any, bool]:
     resumes into another layout by loading it (resharded on load)."""
     if mesh is None:
         return None, True
-    if layout.dp_shard > 1:
+    if layout.dp_shard > 1 or layout.ep > 1:
         return None, True
     return mesh.group("model"), mesh.local_rank("dp") == 0 and mesh.local_rank("cp") == 0

@@ -15,8 +15,12 @@ uses) are applied in one place. In order:
    applies: ``tp > 1``, the model's schedule takes the knob, its head is not tied to the
    embedding and the degree divides its vocabulary (otherwise the logits stay whole:
    :func:`loss_plan`).
-2. Context and expert parallelism: refused by the :class:`~torchloom.parallel.layout.Layout`
-   until they are built.
+2. **Context parallelism** (``cp > 1``): ``context_parallel`` at the model over the
+   mesh's ``cp`` group. **Expert parallelism** (``ep > 1``): ``expert_parallel`` at the
+   model over its ``ep`` group (each rank keeps ``E / ep`` experts of every
+   mixture-of-experts module; :attr:`Parallelized.experts`); the experts are left out of
+   DDP and of FSDP2 (``ignored_params``), and :meth:`Parallelized.reduce_gradients`
+   averages their gradients over the data-parallel ranks that hold the same experts.
 3. **Pipeline cuts** (``pp > 1``): the model is traced down to the layers of its first
    stack of layers (:func:`~torchloom.core.rules.layer_stacks`) and a stage ends after
    each layer of ``layout.cuts`` (an even split of ``pp x stages_per_rank`` stages by
@@ -35,6 +39,11 @@ uses) are applied in one place. In order:
    ``(dp_replicate, dp_shard)`` mesh), with the layout's ``MixedPrecisionPolicy``; DDP
    over the ``dp`` group without FSDP (under a pipeline, :meth:`Parallelized.reduce_gradients`
    averages the gradients after each step).
+
+A training loop calls :meth:`Parallelized.reduce_gradients` after each step's backward
+(before clipping and the optimizer): it does nothing unless a pipeline without FSDP2 or
+expert parallelism leaves gradients to average (``torchloom train`` and the planner's
+validation call it).
 
 After the build, the loss: :func:`~torchloom.ops.loss.set_loss` makes a
 transformers causal LM compute ``layout.loss`` (over the tensor-parallel group when the
@@ -77,7 +86,9 @@ from ..ops.float8 import apply_float8, float8_problem
 from ..ops.loss import is_causal_lm, next_token_loss, set_loss
 from ..runtime.build import build
 from ..runtime.causal_mask import unpacked_sequences
+from ..core.meta import shard_spec
 from ..runtime.collectives import guard_collective
+from ..runtime.expert_dispatch import expert_gradients
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
 from ..schedules._common import loss_parallel_head, node_at
@@ -129,6 +140,8 @@ class Parallelized:
     """Whether each tensor-parallel rank's logits hold only its ``V / tp`` columns."""
     float8: list[str] = field(default_factory=list)
     """The linear layers made torchao ``Float8Linear`` (``layout.float8``)."""
+    experts: list[str] = field(default_factory=list)
+    """The experts modules whose experts are split over the ``ep`` ranks (``layout.ep``)."""
 
     @property
     def fsdp(self) -> bool:
@@ -167,10 +180,25 @@ class Parallelized:
             return _fsdp_no_sync(self.model)
         return self.model.no_sync()
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters split over the expert-parallel ranks (each rank its own experts)."""
+        return [p for p in self.module.parameters()
+                if (spec := shard_spec(p)) is not None and spec.group is not None]
+
     def reduce_gradients(self) -> None:
-        """Average the gradients over the data-parallel replicas of a pipeline without
-        FSDP2 (FSDP2, and DDP without a pipeline, reduce in backward)."""
-        if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1 or self.mesh is None:
+        """Average what backward left unaveraged; call it after each step's backward.
+
+        * a pipeline without FSDP2: every gradient over the data-parallel replicas (FSDP2,
+          and DDP without a pipeline, reduce in backward);
+        * expert parallelism: the experts' gradients (each the sum over the ``ep`` ranks'
+          tokens routed to it) summed over the ranks that hold the same experts and
+          divided by the data-parallel degree, as DDP / FSDP2 average the rest."""
+        if self.mesh is None:
+            return
+        if self.layout.ep > 1:
+            expert_gradients(self.expert_parameters(), self.mesh.group("ep_replicas"),
+                             self.layout.dp)
+        if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1:
             return
         group = self.mesh.group("dp")
         for p in self.parameters():
@@ -392,10 +420,14 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         _apply_schedule(root, layout, {**(knobs or {}), **more})
     if layout.tp > 1:
         done.groups["schedule"] = PIECES["schedule"]
-    # 2. context parallelism (expert parallelism: refused by Layout.check until built)
+    # 2. context and expert parallelism
     if layout.cp > 1:
         root.context_parallel(mesh.group("cp") if mesh is not None else None)
         done.groups["context"] = PIECES["context"]
+    ignored: list[str] = []
+    if layout.ep > 1:
+        done.experts, ignored = _experts(root, mesh, schedule_at)
+        done.groups["experts"] = PIECES["experts"]
     done.stacks = _stacks(sch, schedule_at, stacks)
     # (Float8: the layers' linear layers, after their shards and syncs, with replace)
     if layout.float8:
@@ -442,15 +474,33 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
     # context-parallel ranks average their gradients too (DDP over dp x cp when no FSDP2)
     replicas = layout.dp_replicate * layout.cp
     target = "ddp" if replicas > 1 and layout.dp_shard == 1 else None
+    if target == "ddp" and ignored:  # each rank's own experts: averaged by reduce_gradients
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(sch.mod, ignored)
     built, _ = build(sch, target=target, mesh=mesh, device=device, weights=weights,
                      strict=strict)
     if layout.dp_shard > 1:
         done.fsdp_units = units
-        built = fully_shard_model(built, mesh, units, mp_policy=policy)
+        built = fully_shard_model(built, mesh, units, mp_policy=policy,
+                                  ignored=set(done.expert_parameters()))
     done.model = built
     if done.loss != "full" or done.vocab_sharded:
         set_loss(root.mod, done.loss, done.loss_group)
     return done
+
+
+def _experts(root: Schedule, mesh: Mesh | None, schedule_at: str) -> tuple[list[str], list[str]]:
+    """Split the experts of the model at ``root`` over the mesh's ``ep`` group: the paths
+    of its experts modules and the names (from the top module) of their split tensors."""
+    from ..primitives.expert_parallel import experts_modules, num_experts_of
+    from ..runtime.expert_dispatch import expert_params
+
+    found = experts_modules(root.mod)
+    names = [join_path(join_path(schedule_at, path), pname) for path, module in found
+             for pname in expert_params(module, num_experts_of(module) or 0)]
+    root.expert_parallel(mesh.group("ep") if mesh is not None else None)
+    return [join_path(schedule_at, path) for path, _ in found], names
 
 
 def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,

@@ -142,7 +142,14 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     local_ids = torch.arange(state.local, device=x.device).repeat(state.size)
     local_ids = local_ids.repeat_interleave(per_source.reshape(-1).to(x.device))
     ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=x.device)
-    out = forward(module, rows, local_ids[:, None], ones)
+    weight = next(iter(module.parameters(recurse=False)), None)
+    if weight is not None and weight.is_floating_point() and weight.dtype != rows.dtype \
+            and not torch.is_autocast_enabled(rows.device.type):
+        # the experts are not cast by FSDP2's mixed precision (they are left out of it):
+        # they compute in their own dtype, and hand back the tokens' dtype
+        out = forward(module, rows.to(weight.dtype), local_ids[:, None], ones).to(rows.dtype)
+    else:
+        out = forward(module, rows, local_ids[:, None], ones)
     back = C.all_to_all(out, recv, send, state.group)
     contrib = back * weights.reshape(-1).index_select(0, order)[:, None].to(back.dtype)
     result = torch.zeros(x.shape, dtype=contrib.dtype, device=x.device)
@@ -170,7 +177,7 @@ def expert_gradients(params: list[nn.Parameter], replica_group: Any, dp: int) ->
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if C.group_size(replica_group) > 1:
+        if replica_group is not None and C.group_size(replica_group) > 1:
             with C.guard_collective("all_reduce", _PRIMITIVE, replica_group):
                 dist.all_reduce(p.grad, group=replica_group)
         if dp > 1:

@@ -32,7 +32,8 @@ def check_spec(key: str, spec: ShardSpec, group: Any, primitive: str, *,
     if spec.group is not None and not within:
         group = spec.group
     size, rank = group_size(group), group_rank(group)
-    stage = within and size > spec.world_size and size % spec.world_size == 0
+    stage = within and size % spec.world_size == 0 and (
+        size > spec.world_size or spec.group is not None)
     if not stage and (spec.world_size != size or spec.rank != rank):
         raise CheckpointMismatchError(
             f"{key!r} was sharded for rank {spec.rank} of {spec.world_size}, but this is "

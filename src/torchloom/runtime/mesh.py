@@ -17,6 +17,14 @@ adjacent, pipeline stages farthest apart), and flattens three more views of it:
   context-parallel ranks compute parts of the same sequences); ``"dp"`` itself when
   ``cp`` is 1.
 
+With expert parallelism (``ep``, folded into the data-parallel ranks) it also makes two
+sets of process groups over the ``dp`` view: ``"ep"``, each ``ep`` consecutive
+data-parallel ranks (the ranks one mixture-of-experts module's experts are split
+between), and ``"ep_replicas"``, the data-parallel ranks that hold the same experts
+(every ``ep``-th; what their gradients are averaged over). They are process groups, not
+mesh dimensions: :meth:`Mesh.group`, :meth:`Mesh.size` and :meth:`Mesh.local_rank` take
+their names.
+
 A :class:`Mesh` holds them; ``mesh[name]`` is the 1-D mesh of a dimension (or a
 flattened view), :meth:`Mesh.group` its process group and :meth:`Mesh.local_rank` this
 rank's place in it, :attr:`Mesh.fsdp_mesh` what FSDP2 shards over (``dp_shard``, or the
@@ -35,6 +43,11 @@ A world of one rank has no mesh (None): nothing is distributed.
 [1, 0, 1, 0, 1, 3]
 >>> mesh.size("stage"), mesh.fsdp_mesh.mesh_dim_names
 (4, ('dp_shard',))
+>>> dist.destroy_process_group()
+>>> dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
+>>> mesh = make_mesh(dp_shard=4, tp=2, ep=2, device_type="cpu")
+>>> [(mesh.size(d), mesh.local_rank(d)) for d in ("dp", "ep", "ep_replicas")]
+[(4, 2), (2, 0), (2, 1)]
 >>> dist.destroy_process_group()
 """
 
@@ -56,6 +69,8 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLAT = ("dp", "stage", "model", "dp_cp")
 """The flattened views: every data-parallel rank; every rank of one pipeline stage; every
 rank of one copy of the model; every rank that averages the same gradients."""
+EXPERT = ("ep", "ep_replicas")
+"""The expert-parallel process groups (not mesh dimensions)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,11 @@ class Mesh:
     """The flattened ``(dp_replicate, dp_shard, cp)`` mesh (None: ``cp`` is 1, ``dp``)."""
     dp_shard_cp: Any = None
     """The flattened ``(dp_shard, cp)`` mesh FSDP2 shards over (None: ``cp`` is 1)."""
+    ep: Any = None
+    """This rank's expert-parallel process group (None: ``ep`` is 1)."""
+    ep_replicas: Any = None
+    """The process group of the data-parallel ranks holding this rank's experts (None:
+    ``ep`` is 1)."""
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -100,14 +120,22 @@ class Mesh:
         return self.root[name]
 
     def size(self, name: str) -> int:
+        if name in EXPERT:
+            group = getattr(self, name)
+            return 1 if group is None else dist.get_world_size(group)
         return int(self[name].size())
 
     def group(self, name: str) -> Any:
-        """The process group of dimension (or view) ``name``."""
+        """The process group of dimension (or view, or expert group) ``name``."""
+        if name in EXPERT:
+            return getattr(self, name)
         return self[name].get_group()
 
     def local_rank(self, name: str) -> int:
-        """This rank's index along dimension (or view) ``name``."""
+        """This rank's index along dimension (or view, or expert group) ``name``."""
+        if name in EXPERT:
+            group = getattr(self, name)
+            return 0 if group is None else dist.get_rank(group)
         return int(self[name].get_local_rank())
 
     def shard_group(self) -> Any:
@@ -140,9 +168,10 @@ class Mesh:
 
 
 def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1,
-              tp: int = 1, device_type: str | None = None) -> Mesh:
+              tp: int = 1, ep: int = 1, device_type: str | None = None) -> Mesh:
     """The :class:`Mesh` of these degrees over the default process group (which must be
     initialised, e.g. by ``torchrun``, and hold ``pp x dp_replicate x dp_shard x cp x tp``
+    ranks), with the expert-parallel groups of ``ep`` (which divides the data-parallel
     ranks). ``device_type`` None: the device of the group's backend."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -168,8 +197,29 @@ def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int 
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     stage = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
     model = root["pp", "tp"]._flatten("model")
+    experts = _expert_groups(root, ep) if ep > 1 else {}
     if cp == 1:
-        return Mesh(root, dp, stage, model)
+        return Mesh(root, dp, stage, model, **experts)
     dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return Mesh(root, dp, stage, model, dp_cp, dp_shard_cp)
+    return Mesh(root, dp, stage, model, dp_cp, dp_shard_cp, **experts)
+
+
+def _expert_groups(root: Any, ep: int) -> dict[str, Any]:
+    """This rank's ``ep`` and ``ep_replicas`` process groups: over the data-parallel ranks
+    of each (pp, cp, tp) position, ``ep`` consecutive ones, and every ``ep``-th one.
+    Every rank makes every group, in the same order (``new_subgroups_by_enumeration``)."""
+    ranks = root.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
+    pp, rep, shard, cp, tp = ranks.shape
+    if (rep * shard) % ep:
+        raise BuildError(f"ep={ep} does not divide the {rep * shard} data-parallel ranks",
+                         primitive="init_mesh", values={"ep": ep, "dp": rep * shard},
+                         fix="an ep that divides dp_shard (or dp_replicate without FSDP2)")
+    rows = ranks.reshape(pp, rep * shard, cp, tp).permute(0, 2, 3, 1).reshape(-1, rep * shard)
+    groups = [row[i:i + ep].tolist() for row in rows for i in range(0, rep * shard, ep)]
+    replicas = [row[j::ep].tolist() for row in rows for j in range(ep)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    others = None
+    if rep * shard > ep:
+        others, _ = dist.new_subgroups_by_enumeration(replicas)
+    return {"ep": mine, "ep_replicas": others}
