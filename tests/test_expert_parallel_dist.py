@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import shutil
 
 import pytest
 import torch
@@ -173,6 +174,35 @@ def _check_gather_and_save(root: str, rank: int) -> None:
                                rtol=0, atol=0)
 
 
+def _check_train(root: str, rank: int) -> None:
+    """``torchloom train --dp 2 --ep 2`` on a Mixtral folder trains as ``--dp 2``: the
+    same losses, with the global gradient norm clipped (the experts' part summed over
+    the ep group), and a checkpoint of the ep run resumes at ep 1."""
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    folder = os.path.join(root, "mixtral")
+    if rank == 0:
+        torch.manual_seed(0)
+        cfg = T.MixtralConfig(**{**SIZES, "vocab_size": 256}, num_local_experts=4,
+                              num_experts_per_tok=2)
+        T.MixtralForCausalLM(cfg).save_pretrained(folder)
+    dist.barrier()
+    common = dict(model=folder, steps=4, batch_size=4, seq_len=32, progress=False,
+                  clip_grad=0.05, save_every=2, save_dir=os.path.join(root, "runs"))
+    ep = train_rank(rank, TrainConfig(dp=2, ep=2, **common))
+    dp = train_rank(rank, TrainConfig(dp=2, **{**common, "save_dir": os.path.join(root, "dp")}))
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(dp["losses"]),
+                               rtol=1e-5, atol=0)
+    dist.barrier()
+    if rank == 0:  # as if the ep run had stopped after step 2
+        shutil.rmtree(os.path.join(root, "runs", "step-4"))
+    dist.barrier()
+    resumed = train_rank(rank, TrainConfig(dp=2, resume=True, **common))
+    assert resumed["first_step"] == 3, resumed["first_step"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ep["losses"][2:]),
+                               rtol=1e-5, atol=0)
+
+
 def _check_refusals(rank: int) -> None:
     """A degree that does not divide the experts, a model without experts, and a layout
     whose ep does not divide the data-parallel ranks are refused, naming the fix."""
@@ -208,7 +238,7 @@ def _check_ep_in_fsdp4(rank: int) -> None:
 
 def test_expert_parallel_on_two_ranks(tmp_path):
     spawn(_check_ep_alone, functools.partial(_check_gather_and_save, str(tmp_path)),
-          _check_refusals, timeout_s=300)
+          functools.partial(_check_train, str(tmp_path)), _check_refusals, timeout_s=300)
 
 
 def test_expert_parallel_on_four_ranks():
