@@ -203,6 +203,29 @@ def _check_train(root: str, rank: int) -> None:
                                rtol=1e-5, atol=0)
 
 
+def _check_verify(rank: int) -> None:
+    """Verify compares an expert-parallel model module by module with the original (the
+    ranks route the same tokens; each expert's gradient is its ranks' sum over them), and
+    names the experts module of a wrong schedule."""
+    layout = Layout(dp_replicate=2, ep=2, seq_len=SEQ)
+    mesh = init_mesh(layout, device_type="cpu")
+    ids = _batch(rank)  # different on each rank: Verify makes them the same
+    batch = {"input_ids": ids, "labels": ids}
+    model = _qwen3_moe()
+    sch = create_schedule(model, mesh)
+    with tl.Verify(sch, batch) as verify:
+        sch.expert_parallel(mesh.group("ep"))
+    assert verify.stats["parameter gradient"] == len(list(model.parameters()))
+    assert verify.stats["forward output"] >= 20, verify.stats
+    model = _mixtral()
+    sch = create_schedule(model, mesh)
+    with pytest.raises(tl.VerificationError, match=r"model\.layers\.1\.mlp\.experts"):
+        with tl.Verify(sch, batch):
+            sch.expert_parallel(mesh.group("ep"))
+            # a wrong schedule: the experts of layer 1 use another activation
+            sch["model.layers.1.mlp.experts.act_fn"].replace(nn.ReLU())
+
+
 def _check_refusals(rank: int) -> None:
     """A degree that does not divide the experts, a model without experts, and a layout
     whose ep does not divide the data-parallel ranks are refused, naming the fix."""
@@ -238,7 +261,8 @@ def _check_ep_in_fsdp4(rank: int) -> None:
 
 def test_expert_parallel_on_two_ranks(tmp_path):
     spawn(_check_ep_alone, functools.partial(_check_gather_and_save, str(tmp_path)),
-          functools.partial(_check_train, str(tmp_path)), _check_refusals, timeout_s=300)
+          functools.partial(_check_train, str(tmp_path)), _check_verify, _check_refusals,
+          timeout_s=300)
 
 
 def test_expert_parallel_on_four_ranks():

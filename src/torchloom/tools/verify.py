@@ -36,6 +36,13 @@ training flags, the parameters' ``.grad``, its hooks) is restored, also on failu
 ``Verify(..., enable=False)`` does nothing. In a process group every rank must enter the
 block (the comparison is collective) and all ranks agree on the verdict.
 
+Context and expert parallelism: the context-parallel ranks run the same sequences (each
+compared at its own positions). The expert-parallel ranks (``expert_parallel``) run the
+same tokens and start from their group's rank 0's weights (each rank's experts sliced
+from them); an experts module is compared by its output (the modules inside it run on
+the tokens routed to this rank's experts, not on this rank's), and each expert's
+gradient, the sum over the ranks' identical tokens, is divided by the degree.
+
 Modules that a ``replace`` introduced have no reference at their path and are compared
 through their outputs; their new parameters are compared only if ``param_map`` maps them
 to reference parameter names (``{"mlp.fused.weight": "mlp.c_fc.weight"}``).
@@ -74,7 +81,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ScheduleError, VerificationError
-from ..core.marks import CONTEXT_PARALLEL, SYNCS, get_mark
+from ..core.marks import CONTEXT_PARALLEL, EXPERT_PARALLEL, SYNCS, get_mark
 from ..core.meta import ShardSpec, shard_spec
 from ..core.outputs import tensors_in
 from ..core.placement import output_placement
@@ -251,6 +258,8 @@ class Verify:
         self._recipe_start = 0
         #: the model's context-parallel state while comparing (None: no context parallelism)
         self._cp: Any = None
+        self._ep: Any = None
+        self._inside_experts: tuple[str, ...] = ()
         self._seq = 0
         #: what the last verification compared: tensors per phase (incomparable ones,
         #: such as modules a replacement introduced, are not counted)
@@ -313,6 +322,8 @@ class Verify:
                 _broadcast_in(self.sch.group, [x], self.sch.path)
             if self._cp is not None:  # the context-parallel ranks split the same sequences
                 _broadcast_in(self._cp.group, [x], self.sch.path)
+            if self._ep is not None:  # the expert-parallel ranks route the same tokens
+                _broadcast_in(self._ep.group, [x], self.sch.path)
             return x
 
         return tuple(prepare(a) for a in args), {k: prepare(v) for k, v in kwargs.items()}
@@ -387,6 +398,27 @@ class Verify:
         with self._materialised():
             self._compare()
 
+    def _align_experts(self, model: nn.Module, reference: nn.Module) -> None:
+        """Every expert-parallel rank starts from its group's rank 0's weights: the
+        reference's broadcast, each rank's experts sliced from them, the rest broadcast."""
+        assert self._ep is not None
+        group = self._ep.group
+        with torch.no_grad():
+            _broadcast_in(group, [t.data for t in (*reference.parameters(), *reference.buffers())],
+                          self.sch.path)
+            full = dict(reference.named_parameters(remove_duplicate=False))
+            full.update(dict(reference.named_buffers(remove_duplicate=False)))
+            rest = []
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                spec = shard_spec(tensor)
+                source = full.get(self.param_map.get(name, name))
+                if spec is not None and spec.group is not None and source is not None \
+                        and tuple(source.shape) == tuple(spec.full_shape):
+                    tensor.data.copy_(spec.slice(source))
+                else:
+                    rest.append(tensor.data)
+            _broadcast_in(group, rest, self.sch.path)
+
     def _compare(self) -> None:
         assert self.reference is not None
         model = self.sch.mod
@@ -398,6 +430,15 @@ class Verify:
                 _broadcast_in(self._cp.group, [t.data for m in (model, reference)
                                                for t in (*m.parameters(), *m.buffers())],
                               self.sch.path)
+        self._ep = next((state for m in model.modules()
+                         if (state := get_mark(m, EXPERT_PARALLEL)) is not None
+                         and state.size > 1), None)
+        # the modules inside an expert-parallel experts module run on the tokens routed
+        # to this rank's experts, not on this rank's tokens: compared as the module's output
+        self._inside_experts = tuple(f"{name}." for name, m in model.named_modules()
+                                     if get_mark(m, EXPERT_PARALLEL) is not None)
+        if self._ep is not None:
+            self._align_experts(model, reference)
         saved = self._save([model, reference])
         self._tracker_start = get_rng_tracker().get_states()
         ref_rec = _Recorder(reference, self.check_backward)
@@ -599,6 +640,8 @@ class Verify:
                          forward: bool) -> None:
         refs = {(r.path, r.call): r for r in ref_records}
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if self._inside_experts:
+            records = [r for r in records if not r.path.startswith(self._inside_experts)]
         for record in records:
             ref = refs.get((record.path, record.call))
             if ref is None:
@@ -642,6 +685,10 @@ class Verify:
             mine = param.grad
             if self._cp is not None:  # the average over the context-parallel ranks
                 mine = C.all_reduce_raw(mine, self._cp.group) / self._cp.size
+            if self._ep is not None and spec is not None and spec.group is not None:
+                # an expert's gradient sums every expert-parallel rank's tokens routed to
+                # it; the ranks ran the same tokens
+                mine = mine / self._ep.size
             pairs.append((mine, expected))
         self.stats["parameter gradient"] = len(pairs)
         for name, (value, grad), excess in zip(names, pairs, self._errors(pairs)):
