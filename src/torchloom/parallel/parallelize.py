@@ -78,6 +78,7 @@ from torch import nn
 
 from ..core.errors import LayoutError, ModelSizeError
 from ..core.marks import CHECKPOINTED, has_mark
+from ..core.meta import shard_spec
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
 from ..core.schedule import create_schedule as _create_schedule
@@ -86,7 +87,6 @@ from ..ops.float8 import apply_float8, float8_problem
 from ..ops.loss import is_causal_lm, next_token_loss, set_loss
 from ..runtime.build import build
 from ..runtime.causal_mask import unpacked_sequences
-from ..core.meta import shard_spec
 from ..runtime.collectives import guard_collective
 from ..runtime.expert_dispatch import expert_gradients
 from ..runtime.mesh import Mesh
@@ -201,7 +201,10 @@ class Parallelized:
         if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1:
             return
         group = self.mesh.group("dp")
+        experts = {id(p) for p in self.expert_parameters()}
         for p in self.parameters():
+            if id(p) in experts:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             with guard_collective("all_reduce", _PRIMITIVE, group):
@@ -514,9 +517,12 @@ def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
             if path in names:
                 units.append(path)
     done.fsdp_units += units
+    experts = {p for p in stage.parameters()
+               if (spec := shard_spec(p)) is not None and spec.group is not None}
     root = None
     if policy is not None and policy.param_dtype is not None:
         # what crosses between stages was sized in the parameters' dtype: a stage in
         # bf16 compute hands on its outputs cast back to it
         root = dataclasses.replace(policy, output_dtype=_DTYPES[done.layout.param_dtype])
-    return fully_shard_model(stage, mesh, units, mp_policy=policy, root_policy=root)
+    return fully_shard_model(stage, mesh, units, mp_policy=policy, root_policy=root,
+                             ignored=experts)

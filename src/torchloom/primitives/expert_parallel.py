@@ -238,6 +238,6 @@ def apply(sch: Schedule, group: Any = None) -> None:
 
         _split(module, expert_params(module, count), spec_of)
         if isinstance(getattr(module, "num_experts", None), int):
-            module.num_experts = count // size
-        module.forward = _Dispatching(module, type(module).forward, state)  # type: ignore[method-assign]
+            module.num_experts = count // size  # type: ignore[assignment]
+        module.forward = _Dispatching(module, type(module).forward, state)
         set_mark(module, EXPERT_PARALLEL, state)

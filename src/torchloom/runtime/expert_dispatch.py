@@ -25,7 +25,8 @@ rank ``r`` of the ``ep`` ranks holds experts ``r * E / ep .. (r + 1) * E / ep - 
 The router, its top-k, its normalisation and the load-balancing loss run before the
 experts module and are untouched. Assignments to an id outside ``0 .. E - 1`` (the
 "zero" experts some families route to) contribute nothing, as in the eager loop.
-Gradients: autograd sends each row's gradient back by the reverse all-to-all; an
+On meta or fake tensors (a pipeline sizing its stages) only the output's shape and dtype
+are computed: the split sizes are data. Gradients: autograd sends each row's gradient back by the reverse all-to-all; an
 expert's gradient is the sum over every rank's tokens routed to it (the data-parallel
 average is :func:`torchloom.parallelize`'s, see :func:`expert_gradients`).
 
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..core.errors import ExpertParallelError
 from . import collectives as C
@@ -115,6 +117,10 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     ``state``'s group (see the module docstring). ``forward`` is the module's own forward
     (unbound); ``module`` holds this rank's experts."""
     shape = hidden_states.shape
+    if hidden_states.is_meta or is_fake(hidden_states):
+        # sizing a model on meta or fake tensors (a pipeline's stage boundaries): how many
+        # tokens each rank receives is data, so only the output's shape and dtype are kept
+        return torch.zeros_like(hidden_states) + 0 * top_k_weights.sum().to(hidden_states.dtype)
     x = hidden_states.reshape(-1, shape[-1])
     index = top_k_index.reshape(x.shape[0], -1)
     weights = top_k_weights.reshape(x.shape[0], -1)

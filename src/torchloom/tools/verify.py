@@ -406,7 +406,7 @@ class Verify:
         with torch.no_grad():
             _broadcast_in(group, [t.data for t in (*reference.parameters(), *reference.buffers())],
                           self.sch.path)
-            full = dict(reference.named_parameters(remove_duplicate=False))
+            full: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
             full.update(dict(reference.named_buffers(remove_duplicate=False)))
             rest = []
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
