@@ -163,7 +163,7 @@ def test_cli_with_degrees_warns_under_ten_percent(monkeypatch):
 
 def test_every_token_of_a_layout_name_is_in_the_legend():
     schedules = "GPipe|1F1B|Interleaved1F1B|InterleavedZeroBubble|ZBVZeroBubble"
-    patterns = {"tpN[+sp]": r"tp\d+(\+sp)?", "cpN": r"cp\d+",
+    patterns = {"tpN[+sp]": r"tp\d+(\+sp)?", "cpN": r"cp\d+", "epN": r"ep\d+",
                 "ppN(S xM[ vV])": rf"pp\d+\(({schedules}) x\d+( v\d+)?\)",
                 "accumN": r"accum\d+",
                 "dpN(ddp|fsdp|hsdp RxS)": r"dp\d+\((ddp|fsdp|hsdp \d+x\d+)\)",
@@ -175,13 +175,14 @@ def test_every_token_of_a_layout_name_is_in_the_legend():
     for token, meaning in NOTATION:
         assert token in text and meaning in text
     p = list(patterns.values())
-    whole = (f"{p[0]}( {p[1]})?( {p[2]})?( {p[3]})? {p[4]} {p[5]} {p[6]} {p[7]}( {p[8]})?"
-             f"{p[9]}")
+    whole = (f"{p[0]}( {p[1]})?( {p[2]})?( {p[3]})?( {p[4]})? {p[5]} {p[6]} {p[7]} {p[8]}"
+             f"( {p[9]})?{p[10]}")
     for lay in (Layout(tp=2, sp=True, dp_shard=4, micro_batch=4, n_microbatches=2,
                        ckpt_ratio=1.0, mixed_precision="bf16"),
                 Layout(tp=2, sp=True, compile=True, float8=True, async_tp=True,
                        loss="parallel"),
                 Layout(tp=2, sp=True, cp=2, dp_shard=2, seq_len=64),
+                Layout(tp=2, dp_shard=4, ep=2),
                 Layout(pp=2, n_microbatches=4, ckpt_ratio=0.5, param_dtype="bf16"),
                 Layout(pp=2, n_microbatches=4, pipeline_schedule="Interleaved1F1B",
                        dp_replicate=2, dp_shard=2, ac="op")):

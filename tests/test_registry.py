@@ -23,10 +23,11 @@ def _mlp() -> nn.Module:
 
 
 def test_schedule_and_group_have_every_primitive_with_one_signature() -> None:
-    # not in recipes: the finders (they change nothing) and context_parallel (it takes a
-    # process group; parallelize applies it from the layout)
+    # not in recipes: the finders (they change nothing), context_parallel and
+    # expert_parallel (they take a process group; parallelize applies them from the layout)
     assert set(PRIMITIVES) == set(tl.list_primitives()) | {"find", "find_node", "find_subgraph",
-                                                            "context_parallel"}
+                                                            "context_parallel",
+                                                            "expert_parallel"}
     for name, prim in PRIMITIVES.items():
         node_sig = inspect.signature(getattr(tl.Schedule, name))
         group_sig = inspect.signature(getattr(tl.ScheduleGroup, name))

@@ -58,7 +58,7 @@ def test_the_checkpoint_records_the_run_configuration(finished_run):
         "model": "gpt2", "size": "tiny", "data": [], "eval_fraction": 0.1, "eval_every": 0,
         "eval_batches": 4, "steps": 3, "batch_size": 2, "grad_accum": 1, "seq_len": 16,
         "lr": 0.001, "warmup_steps": None, "lr_decay": "cosine", "min_lr_ratio": 0.1,
-        "weight_decay": 0.01, "clip_grad": 0.0, "seed": 0, "dtype": "fp32", "tp": 1, "cp": 1,
+        "weight_decay": 0.01, "clip_grad": 0.0, "seed": 0, "dtype": "fp32", "tp": 1, "cp": 1, "ep": 1,
         "dp": 1, "dp_mode": "ddp", "dp_replicate": 1, "pp": 1, "pipeline_schedule": "1F1B",
         "stages_per_rank": None, "stage_cuts": None, "n_microbatches": 4, "sequence_parallel": False,
         "ckpt_ratio": 0.0, "ac": None, "deterministic": True, "loss": "chunked", "float8": False,

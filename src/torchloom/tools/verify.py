@@ -89,6 +89,8 @@ from ..runtime import collectives as C
 from ..runtime.agree import check_ranks_agree
 from ..runtime.rng import get_rng_tracker
 from .check import check, effective_output_placement
+from .verify_sync import align_experts
+from .verify_sync import broadcast_in as _broadcast_in
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -398,27 +400,6 @@ class Verify:
         with self._materialised():
             self._compare()
 
-    def _align_experts(self, model: nn.Module, reference: nn.Module) -> None:
-        """Every expert-parallel rank starts from its group's rank 0's weights: the
-        reference's broadcast, each rank's experts sliced from them, the rest broadcast."""
-        assert self._ep is not None
-        group = self._ep.group
-        with torch.no_grad():
-            _broadcast_in(group, [t.data for t in (*reference.parameters(), *reference.buffers())],
-                          self.sch.path)
-            full: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
-            full.update(dict(reference.named_buffers(remove_duplicate=False)))
-            rest = []
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                spec = shard_spec(tensor)
-                source = full.get(self.param_map.get(name, name))
-                if spec is not None and spec.group is not None and source is not None \
-                        and tuple(source.shape) == tuple(spec.full_shape):
-                    tensor.data.copy_(spec.slice(source))
-                else:
-                    rest.append(tensor.data)
-            _broadcast_in(group, rest, self.sch.path)
-
     def _compare(self) -> None:
         assert self.reference is not None
         model = self.sch.mod
@@ -438,7 +419,7 @@ class Verify:
         self._inside_experts = tuple(f"{name}." for name, m in model.named_modules()
                                      if get_mark(m, EXPERT_PARALLEL) is not None)
         if self._ep is not None:
-            self._align_experts(model, reference)
+            align_experts(model, reference, self._ep.group, self.param_map, self.sch.path)
         saved = self._save([model, reference])
         self._tracker_start = get_rng_tracker().get_states()
         ref_rec = _Recorder(reference, self.check_backward)
@@ -701,10 +682,3 @@ class Verify:
                      "max_abs_error": float((value.double() - grad.double()).abs().max())},
                 )
 
-
-def _broadcast_in(group: Any, tensors: list[torch.Tensor], path: str) -> None:
-    """Broadcast ``tensors`` in place from rank 0 of ``group``."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with C.guard_collective("broadcast", "Verify", group, path=path):
-        for tensor in tensors:
-            dist.broadcast(tensor, src=src, group=group)
