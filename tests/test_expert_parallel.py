@@ -204,5 +204,6 @@ def test_layout_expert_parallel_rules():
     with pytest.raises(LayoutError, match="expert parallelism with context parallelism is not "
                        "built yet"):
         Layout(dp_replicate=2, ep=2, cp=2)
-    with pytest.raises(LayoutError, match="expert parallelism with a pipeline is not built yet"):
-        Layout(dp_replicate=2, ep=2, pp=2, n_microbatches=2)
+    # inside a pipeline: each stage's experts over the stage's data-parallel ranks
+    assert Layout(dp_replicate=2, ep=2, pp=2, n_microbatches=2).describe() == \
+        "tp1 ep2 pp2(1F1B x2) dp2(ddp) mb1 ckpt0 fp32"

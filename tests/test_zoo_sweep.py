@@ -1,9 +1,11 @@
 """The model-zoo sweep (benchmarks/zoo_sweep.py): discovery of the families with a
 tensor-parallel plan, the tiny-config shrinker, one 2-rank launch on a few families
 in which one rank of one family dies (the launcher records it, starts two new ranks and
-goes on with the next family), and the loading sweep (``--layouts``): a few families'
+goes on with the next family), the loading sweep (``--layouts``): a few families'
 ``save_pretrained`` folders loaded at PP 2 and FSDP 2 in one 2-rank launch, each first
-loss equal to ``from_pretrained`` in one process."""
+loss equal to ``from_pretrained`` in one process, and the expert-parallel sweep
+(``--layouts ep``, benchmarks/ep_sweep.py): a few mixture-of-experts families at
+``Layout(dp_replicate=2, ep=2)``, loss and every gradient equal to one process."""
 
 from __future__ import annotations
 
@@ -222,3 +224,75 @@ def test_a_split_checkpoint_tensor_is_refused_by_name(zoo_sweep, tmp_path):
         model = zoo_sweep.model_class_of(family.model_class)(config)
     with pytest.raises(CheckpointMismatchError, match="transformers converts this checkpoint"):
         tl.build(tl.create_schedule(model), weights=str(tmp_path))
+
+
+def test_ep_sweep_finds_the_mixtures_of_experts(zoo_sweep):
+    # every family with an expert-parallel plan or a number of experts, with a model
+    # class; not the vision tower of a multimodal MoE family (its modeling module names
+    # the routing arguments, its tiny model has no experts)
+    import ep_sweep
+
+    families = {f.name: f for f in ep_sweep.discover_ep()[0]}
+    assert len(families) > 50
+    assert families["mixtral"].plan_in == "config" and families["olmoe"].plan_in == "config"
+    assert families["qwen3_vl_moe"].plan_in == "text_config"
+    assert families["jetmoe"].plan_in == ""  # found by its number of experts
+    assert "llama" not in families and "qwen3_vl_moe_vision" not in families
+    # a family whose defaults build a dense model gets its experts switched on
+    model, changed = ep_sweep.build_ep_model(families["gemma4_text"])
+    assert "enable_moe_block" in changed["moe"]
+    assert model.training and model.config.num_experts == 4
+    with pytest.raises(SystemExit):
+        zoo_sweep.parse_args(["--layouts", "tp,ep"])
+
+
+def test_ep_report_groups_failures_by_reason(zoo_sweep):
+    import ep_sweep
+
+    rows = [{"family": "a", "status": "passed", "stage": "", "loss_rel_err": 1e-7,
+             "grad_max_rel_err": 2e-6, "num_experts": [4], "experts_per_rank": [2],
+             "experts": ["m.experts"], "loss_check": "loss within"},
+            {"family": "b", "status": "refused", "stage": "parallelize",
+             "error": "ExpertParallelError: no mixture-of-experts module under BForCausalLM",
+             "reason": "no experts module called as experts(...)",
+             "experts_seen": ["BExperts(hidden_states, router_indices, routing_weights)"]},
+            {"family": "c", "status": "failed", "stage": "parallelize",
+             "error": "ModelConfigError: the model config's head_dim is 0"},
+            {"family": "d", "status": "failed", "stage": "parallelize",
+             "error": "ModelConfigError: the model config's head_dim is 0"},
+            {"family": "e", "status": "failed", "stage": "build", "error": "TypeError: x"}]
+    c = ep_sweep.ep_counts(rows)
+    assert (c["families"], c["building"], c["passed"], c["refused"], c["failed"],
+            c["not_building"]) == (5, 4, 1, 1, 2, 1)
+    text = ep_sweep.ep_markdown(rows)
+    assert "**1 of 4 mixture-of-experts families that build pass**" in text
+    assert "| failed | parallelize | ModelConfigError: the model config's head_dim is N | " \
+           "2: c, d |" in text
+    assert "| a | " in text and "| 4 -> 2 | 1e-07 | 2e-06 |" in text
+    assert "(the model has BExperts(hidden_states, router_indices, routing_weights))" in text
+
+
+@pytest.mark.slow
+def test_ep_sweep_two_ranks_equals_one_process(zoo_sweep, tmp_path):
+    # Issue 28: Mixtral, Qwen3-MoE and OLMoE (experts named by transformers'
+    # base_model_ep_plan) at Layout(dp_replicate=2, ep=2) on two gloo ranks, each rank
+    # its own batch: each rank holds 2 of the 4 experts of every experts module, its loss
+    # equals one process's on its batch and every gradient (an expert tensor: the rank's
+    # slice) the gradient of the mean over both batches; one launch, no restart.
+    out = tmp_path / "ep.json"
+    result = zoo_sweep.main(["--layouts", "ep", "--ci", "--timeout", "60",
+                             "--json", str(out)])
+    assert json.loads(out.read_text())["counts"] == result["counts"]
+    assert [r["family"] for r in result["rows"]] == ["mixtral", "qwen3_moe", "olmoe"]
+    for row in result["rows"]:
+        assert row["status"] == "passed", row
+        assert row["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert row["num_experts"] == [4] and row["experts_per_rank"] == [2]
+        assert row["all_to_all"] == 2 * 2  # there and back, per layer
+        assert row["loss_rel_err"] <= 1e-5 and row["grad_max_rel_err"] <= 1e-4, row
+        assert len(row["per_rank"]) == 2 and row["per_rank"][0]["gradients"] > 10
+        assert row["per_rank"][0]["loss"] != row["per_rank"][1]["loss"]  # two batches
+        assert row["same_init"] and not row["dropout_zeroed"]
+    c = result["counts"]
+    assert (c["passed"], c["building"], c["failed"], c["refused"]) == (3, 3, 0, 0)
+    assert result["launches"] == 1

@@ -3,6 +3,8 @@ before renting the GPUs.
 
 * With the degrees given (``--tp``, ``--pp``, ``--dp``; one may be left out and is
   derived from ``--gpus`` / ``--cp``, the context-parallel degree, 1 by default;
+  ``--ep``, the expert-parallel degree of a mixture of experts, folded into the
+  data-parallel ranks, with ``--ep-imbalance`` the routing model's busiest-rank load;
   ``--dp-mode ddp|fsdp|hsdp`` with ``--dp-replicate R`` for
   HSDP; ``--pipeline-schedule`` any of GPipe, 1F1B, Interleaved1F1B,
   InterleavedZeroBubble, ZBVZeroBubble with ``--stages-per-rank``; ``--ckpt-ratio`` or
@@ -106,7 +108,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     bf16 = layout.mixed_precision == "bf16"
     fields: dict[str, Any] = {"model": spec.command, "batch_size": layout.batch_size,
                               "seq_len": layout.seq_len, "tp": layout.tp, "dp": layout.dp,
-                              "cp": layout.cp,
+                              "cp": layout.cp, "ep": layout.ep,
                               "pp": layout.pp, "dp_mode": layout.dp_mode,
                               "dtype": "bf16" if bf16 else "fp32",
                               "sequence_parallel": layout.sp,
@@ -130,7 +132,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     if spec.size is not None:
         flags += ["--size", spec.size]
     flags += ["--batch-size", str(layout.batch_size), "--seq-len", str(layout.seq_len)]
-    for name in ("tp", "cp", "dp", "pp"):
+    for name in ("tp", "cp", "dp", "ep", "pp"):
         if getattr(layout, name) > 1:
             flags += [f"--{name}", str(getattr(layout, name))]
     if layout.dp > 1:
@@ -427,6 +429,14 @@ def plan_command(
     cp: int = typer.Option(1, min=1, help="Context-parallel degree (each sequence split "
                            "between cp ranks; no pipeline): the other degrees share --gpus / "
                            "cp ranks."),
+    ep: int = typer.Option(None, min=1, help="Expert-parallel degree (each rank holds "
+                           "1/ep of a mixture of experts' experts; folded into the "
+                           "data-parallel ranks, no pipeline). Default: searched for a "
+                           "mixture of experts, 1 with degrees given."),
+    ep_imbalance: float = typer.Option(1.0, "--ep-imbalance", min=1.0, help="Routing "
+                                       "imbalance under expert parallelism: the busiest "
+                                       "rank's share of the routed tokens over the average "
+                                       "(1: balanced)."),
     pp: int = typer.Option(None, min=1, help="Pipeline stages."),
     dp: int = typer.Option(None, min=1, help="Data-parallel degree."),
     dp_mode: str = typer.Option(None, help="ddp, fsdp or hsdp (default: ddp and fsdp "
@@ -513,6 +523,7 @@ def plan_command(
                         values={"gpus": gpus, "cp": cp}, fix="a --cp that divides --gpus")
     degrees = _degrees(gpus // cp, tp, pp, dp)
     extra["cp"] = cp
+    extra["ep"] = ep if ep is not None or degrees is None else 1
     device = "cpu" if profile.name.startswith("local-cpu") else "cuda"
     payload: dict[str, Any]
     if degrees is not None:
@@ -541,7 +552,7 @@ def plan_command(
                           f"{layout.stages} stages: cut after layers {list(layout.stage_cuts)}"
                           " (Layout(stage_cuts=...), torchloom train --stage-cuts)")
         with console.status("measuring the pieces of a step on fake tensors..."):
-            pred = predict(spec, layout, profile)
+            pred = predict(spec, layout, profile, imbalance=ep_imbalance)
         console.print(_roles_table(pred))
         console.print(_time_table(pred))
         console.print(_collectives_table(pred))
@@ -585,7 +596,8 @@ def plan_command(
                 bar.update(task, completed=done, total=total, description=what)
 
             result = search(spec, gpus, profile, batch_size=batch, seq_len=seq_len,
-                            progress=progress, min_headroom=min_headroom, **space)
+                            progress=progress, min_headroom=min_headroom,
+                            imbalance=ep_imbalance, **space)
         console.print(_search_table(result, top, profile))
         for i, p in enumerate([p for p in result.ranked if result.eligible(p)][:top]):
             cmd, why = train_command(spec, p.layout, device, profile.gpus_per_node)

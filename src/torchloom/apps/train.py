@@ -198,17 +198,18 @@ def _flops_per_token(cfg: TrainConfig) -> float | None:
     """FLOPs of one forward and backward per token (FlopCounterMode, on the unscheduled
     model on fake tensors, nothing allocated: recomputation is not useful work); None if it
     cannot be counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from ..graph.fake import _tensors_on_meta, fake_values, value_mode
+    from ..plan.opcost import flop_counter, grouped_mm_on_fake
 
     try:
         model = meta_model(cfg)
         ids = torch.zeros(1, cfg.seq_len, dtype=torch.long)
         # fake values: transformers skips its data-dependent checks on them (no .item())
         mode = value_mode(model, ids)
-        counter = FlopCounterMode(display=False)
-        with _tensors_on_meta(model, True), mode, counter:
+        # (with the grouped product of mixtures of experts counted, on fake tensors of
+        # any dtype)
+        counter = flop_counter()
+        with _tensors_on_meta(model, True), mode, grouped_mm_on_fake(), counter:
             ids = fake_values(mode, ids)
             model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss.backward()
         return counter.get_total_flops() / cfg.seq_len

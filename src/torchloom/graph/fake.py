@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.errors import TraceError
 from ..core.meta import copy_meta, has_meta
@@ -146,11 +147,12 @@ def on_meta(mode: Any, fn: Callable[..., Any], *args: Any) -> Any:
     that raises (code that reads a value: ``.item()``, ``bool(t)``), again on fake tensors
     of ``mode``, under which transformers skips such data-dependent checks."""
     try:
-        return fn(*meta_values(args))
+        with grouped_mm_on_fake():
+            return fn(*meta_values(args))
     except (TraceError, _TraceExit):
         raise
     except Exception:  # noqa: BLE001 - retried on fake tensors; a real error raises again
-        with mode:
+        with mode, grouped_mm_on_fake():
             result = fn(*fake_values(mode, args))
         return meta_values(result)  # back to plain meta: the next operations run fast
 
@@ -181,3 +183,40 @@ def _tensors_on_meta(module: nn.Module, active: bool) -> Iterator[None]:
     finally:
         for slots, name, t in reversed(swapped):
             slots[name] = t
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    return t.is_meta or _is_fake(t)
+
+
+class _GroupedMMOnFake(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._overloadpacket is not getattr(torch.ops.aten, "_grouped_mm", None):
+            return func(*args, **kwargs)
+        a, b = args[0], args[1]
+        if not (_no_data(a) and _no_data(b)) or a.dtype == b.dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        dtype = a.dtype
+        out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **kwargs)
+        return out.to(dtype)
+
+
+def grouped_mm_on_fake() -> TorchDispatchMode:
+    """A dispatch mode under which ``torch._grouped_mm`` of fake or meta tensors of any
+    dtype gives its output's shape (PyTorch's meta kernel takes bfloat16 only, and every
+    mixture-of-experts family of transformers computes its experts with it): the product
+    runs on bfloat16 copies, its result is cast back. Enter it *outside* a mode that
+    counts operators (it then sees one ``_grouped_mm``, not the casts); real tensors pass
+    through.
+
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode(), grouped_mm_on_fake():
+    ...     x, w = torch.empty(6, 8), torch.empty(2, 8, 16)
+    ...     offs = torch.tensor([3, 6], dtype=torch.int32)
+    ...     y = torch._grouped_mm(x, w, offs=offs)
+    >>> tuple(y.shape), y.dtype
+    ((6, 16), torch.float32)
+    """
+    return _GroupedMMOnFake()

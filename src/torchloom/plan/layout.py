@@ -52,8 +52,20 @@ def check_model(layout: Layout, spec: ModelSpec) -> None:
     """Refuse a layout the model cannot take: layers that do not split into the stages
     (:meth:`Layout.check_layers`, as :func:`torchloom.parallelize` refuses them), heads,
     KV heads and MLP features that tensor parallelism cannot share (the built-in
-    schedule's own rules; the schedule checks them again when applied)."""
+    schedule's own rules; the schedule checks them again when applied), experts that
+    expert parallelism cannot share (none declared by the config, or a number ``ep`` does
+    not divide)."""
     layout.check_layers(spec.num_layers)
+    if layout.ep > 1:
+        experts = spec.attr("num_local_experts", "num_experts", "n_routed_experts")
+        if not isinstance(experts, int) or experts < 2:
+            raise _fail(f"expert parallelism needs a mixture of experts, and "
+                        f"{spec.model_class.__name__}'s config declares no experts",
+                        {"model": spec.model_class.__name__, "ep": layout.ep}, "ep=1")
+        if experts % layout.ep:
+            raise _fail(f"{experts} experts do not split evenly between {layout.ep} "
+                        "expert-parallel ranks", {"num_experts": experts, "ep": layout.ep},
+                        f"ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
     if layout.tp > 1:
         heads, kv = spec.heads, spec.kv_heads
         if heads % layout.tp:

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..graph.fake import grouped_mm_on_fake
 from .spec import DTYPES
 from .tracking import Tracker
 
-__all__ = ["OpCost", "flop_counter", "VIEWS"]
+__all__ = ["OpCost", "flop_counter", "grouped_mm_on_fake", "VIEWS"]
 
 VIEWS = frozenset({
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "as_strided",
@@ -45,7 +46,7 @@ _MATMULS = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu_backward",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
     "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
-    "_efficient_attention_backward",
+    "_efficient_attention_backward", "_grouped_mm",
 })
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -64,7 +65,7 @@ class OpCost(Tracker):
         from torch.utils.flop_counter import flop_registry
 
         self.registry: dict[Any, Callable[..., int]] = {
-            **flop_registry, **_cpu_sdpa_mapping()}
+            **flop_registry, **_extra_mapping()}
         self.flops = 0
         self.matmuls: list[tuple[int, int, str, str]] = []
         self.other_bytes = 0
@@ -119,7 +120,28 @@ def _kind(name: str, causal: bool) -> str:
     return "other"
 
 
-def _cpu_sdpa_formulas() -> dict[Any, Callable[..., int]]:
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None,
+                     **kwargs: Any) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)`` (a mixture of experts' product, which
+    FlopCounterMode lacks): tokens x hidden against every expert's matrix (2-D x 3-D: each
+    row meets one group's matrix), a weight gradient (2-D x 2-D with offsets: each group
+    reduces over its own rows), or a batch of products (3-D x 3-D).
+
+    >>> grouped_mm_flops((32, 16), (4, 16, 8))      # 32 rows, each against one 16 x 8 matrix
+    8192
+    >>> grouped_mm_flops((16, 32), (32, 8))         # the weight gradient: the same products
+    8192
+    """
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    rows = a_shape[-2] * (a_shape[0] if len(a_shape) == 3 else 1)
+    return 2 * rows * a_shape[-1] * b_shape[-1]
+
+
+def _extra_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas FlopCounterMode lacks, on shapes: the CPU flash-attention kernels
+    (the CUDA kernels' formulas apply: the same products) and the grouped product of
+    mixtures of experts."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -131,20 +153,23 @@ def _cpu_sdpa_formulas() -> dict[Any, Callable[..., int]]:
     if bwd is not None:
         out[bwd] = (lambda grad, q, k, v, *a, out_shape=None, **kw:
                     fc.sdpa_backward_flop_count(grad, q, k, v))
+    grouped = getattr(aten, "_grouped_mm", None)
+    if grouped is not None:
+        out[grouped] = grouped_mm_flops
     return out
 
 
-def _cpu_sdpa_mapping() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas for the CPU flash-attention kernels, which FlopCounterMode lacks (the
-    CUDA kernels' formulas apply: the same products), wrapped as FlopCounterMode wraps its
-    own (tensors -> shapes)."""
+def _extra_mapping() -> dict[Any, Callable[..., int]]:
+    """:func:`_extra_formulas` wrapped as FlopCounterMode wraps its own (tensors ->
+    shapes)."""
     from torch.utils.flop_counter import shape_wrapper
 
-    return {k: shape_wrapper(v) for k, v in _cpu_sdpa_formulas().items()}
+    return {k: shape_wrapper(v) for k, v in _extra_formulas().items()}
 
 
 def flop_counter() -> Any:
-    """A FlopCounterMode that also knows the CPU attention kernels."""
+    """A FlopCounterMode that also knows the CPU attention kernels and the grouped
+    product of mixtures of experts."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    return FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_formulas())
+    return FlopCounterMode(display=False, custom_mapping=_extra_formulas())

@@ -32,6 +32,17 @@ What the composition models beyond the measured pieces:
   collectives are timed in line (not overlapped: the attention waits for its keys);
   gradients average over
   ``dp x cp`` (DDP), FSDP2 shards over ``dp_shard x cp``;
+* **expert parallelism** (``ep``, folded into the data-parallel ranks, a pipeline
+  stage's too; no ``cp``): measured with the ``expert_parallel`` primitive on rank 0 of a fake ``ep``
+  group, dispatching under
+  :func:`~torchloom.runtime.expert_routing_model.modeled_routing` (``imbalance``: the
+  busiest rank's share of the routed tokens over the average; the measured rank is that
+  one, so its expert FLOPs, kept activations and received rows grow with it). The rank
+  holds ``E / ep`` experts (FSDP2 leaves them whole); the all-to-alls (the counts, the
+  rows there and back, and back again in backward) are timed in line like tensor
+  parallelism, at what the rank sends (``(ep - 1) / ep`` of it leaves the rank); the
+  experts' gradients are all-reduced over the ``dp / ep`` ranks that hold the same
+  experts, not by DDP or FSDP2;
 * **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
   (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
   schedule step as :func:`torchloom.parallelize` builds it.
@@ -281,19 +292,21 @@ def _ring(kind: str, size: int, nbytes: int, link: float) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2 * (size - 1) / size * nbytes / link
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (size - 1) / size * nbytes / link
     return nbytes / link
 
 
 def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
-            schedule: ScheduleFn | None = None, size: str = "tiny") -> Prediction:
+            schedule: ScheduleFn | None = None, size: str = "tiny",
+            imbalance: float = 1.0) -> Prediction:
     """Predict every role of ``layout`` for ``model`` on ``profile`` (see the module
     docstring). ``model``: a zoo name (with ``size``), a config path, a model class
     (``model_spec``), or a :class:`~torchloom.plan.spec.ModelSpec`. ``schedule``:
     ``fn(sch, knobs)`` applied instead of the built-in schedule (``knobs``: ``tp``,
     ``sequence_parallel``, ``ckpt_ratio``); it must give the layers the same layout at
-    every depth.
+    every depth. ``imbalance``: under expert parallelism, the busiest rank's share of the
+    routed tokens over the average (1.0: balanced routing).
 
     Raises:
         PlanError: a layout the model cannot take (a
@@ -310,7 +323,8 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
                   "model" if layout.pp == 1 else "next_token",
                   layout.dp_replicate if layout.dp_shard > 1 else 1,
                   layout.reduce_dtype if layout.dp_shard > 1 else None,
-                  "op" if layout.ac == "op" else None, layout.loss, layout.cp)
+                  "op" if layout.ac == "op" else None, layout.loss, layout.cp, layout.ep,
+                  float(imbalance) if layout.ep > 1 else 1.0)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -354,10 +368,13 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
     """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel,
     context-parallel (the ``cp`` ranks ``tp`` apart: one node when ``tp x cp`` fits).
     Mesh strides: ``tp`` innermost, then ``cp``, ``dp_shard`` (``dp``), ``dp_replicate``,
-    ``pp``."""
+    ``pp``; the ``ep`` ranks are consecutive data-parallel ranks, the ``ep_replicas``
+    every ``ep``-th (their all-to-alls are returned with the context-parallel time: both
+    wait in line)."""
     cp = layout.cp
     stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * cp,
-              "dp_replicate": layout.tp * layout.dp_shard * cp, "pp": layout.tp * layout.dp * cp}
+              "dp_replicate": layout.tp * layout.dp_shard * cp, "pp": layout.tp * layout.dp * cp,
+              "ep": layout.tp, "ep_replicas": layout.tp * layout.ep}
     if layout.dp_shard == 1 or cp > 1:
         # DDP's replicas (dp x cp) or FSDP2's dp_shard x cp: next to the tp ranks
         stride["dp"] = layout.tp
@@ -370,7 +387,8 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
             link = profile.link(gsize, stride.get(group, 1))
         secs = count * (_ring(kind, gsize, nbytes, link * profile.link_efficiency)
                         + profile.collective_latency)
-        times[group if group in ("tp", "pp", "cp") else "dp"] += secs
+        times[{"ep": "cp"}.get(group, group) if group in ("tp", "pp", "cp", "ep")
+              else "dp"] += secs
         slot = merged.setdefault((kind, group), [0, 0, 0.0])
         slot[0] += count
         slot[1] += count * nbytes
@@ -442,6 +460,12 @@ def _notes(layout: Layout, units: Units) -> tuple[str, ...]:
         notes.append(f"context parallelism: {layout.seq_len // layout.cp} of "
                      f"{layout.seq_len} tokens per rank; each layer all-gathers K and V "
                      f"over {layout.cp} ranks (not overlapped with compute); {shard}")
+    if layout.ep > 1:
+        notes.append(f"expert parallelism: E / {layout.ep} experts per rank, left out of "
+                     f"{'FSDP2' if fsdp else 'DDP'}; tokens dispatched by all-to-all over "
+                     f"{layout.ep} ranks (in line), the busiest receiving "
+                     f"{units.key.imbalance:g} x the average; expert gradients all-reduced "
+                     f"over the {layout.dp // layout.ep} ranks holding the same experts")
     if layout.pp > 1 and layout.per_rank > 1:
         notes.append(f"{layout.pipeline_schedule}: {layout.per_rank} stages per rank; "
                      "the bubble is "
@@ -493,7 +517,8 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     ids_bytes = n * layout.micro_batch * layout.seq_len * 8
     if spec.kind == "masked" and pp == 1:
         ids_bytes *= 2  # the attention mask
-    runtime = grads if ddp and pp == 1 else 0  # DDP's gradient buckets
+    experts = len(mine) * units.extra.get("expert_params", 0)  # whole, E / ep of them
+    runtime = grads - experts if ddp and pp == 1 else 0  # DDP's gradient buckets
     sizes: dict[int, tuple[int, int, int, int]] = {}  # stage -> in, float in, out, float out
     for k in stages:
         c_in = f_in = c_out = f_out = 0
@@ -601,11 +626,14 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
                 comm[c] += num * _fsdp_times(c, backward, fsdp, pp, n, before[k])
     if ddp:
         # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
-        comm[("all_reduce", "dp", layout.dp * layout.cp, grads)] += 1
+        comm[("all_reduce", "dp", layout.dp * layout.cp, grads - experts)] += 1
         if pp == 1 and model_buffers:
             # DDP broadcasts the buffers in a forward that follows a synchronised backward:
             # once per step (the first micro-step's; no_sync skips the others)
             comm[("broadcast", "dp", layout.dp * layout.cp, model_buffers)] += 1
+    if experts and layout.dp > layout.ep:
+        # reduce_gradients: each expert's gradient over the ranks holding the same experts
+        comm[("all_reduce", "ep_replicas", layout.dp // layout.ep, experts)] += 1
     if cross is not None:
         for k in stages:
             c_in, f_in, c_out, f_out = sizes[k]
@@ -622,7 +650,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     totals, tp_time, p2p_time, dp_time, cp_time = _collectives(comm, layout, profile)
     if layout.async_tp:
         tp_time *= 1.0 - ASYNC_TP_HIDDEN
-    tp_time += cp_time  # the K / V gathers: exposed in line, like tensor parallelism
+    tp_time += cp_time  # the K / V gathers, the token all-to-alls: exposed in line
     bwd_compute = n * sum(pieces[k][1].seconds for k in stages)
     if profile.overlap:
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))
@@ -644,7 +672,8 @@ def _prefetch_bytes(layout: Layout, profile: Profile, units: Units) -> int:
     measurement (which runs the collectives in line) holds. None on a CPU."""
     if layout.dp_shard == 1 or not profile.overlap:
         return 0
-    return round((1.0 + _unsharded_ratio(layout, units)) * units.params["L2"])
+    gathered = units.params["L2"] - units.extra.get("expert_params", 0)  # experts: whole
+    return round((1.0 + _unsharded_ratio(layout, units)) * gathered)
 
 
 def _less(piece: _Piece, nbytes: int) -> _Piece:
@@ -669,7 +698,7 @@ def _fsdp_times(c: tuple[str, str, int, int], backward: bool, fsdp: bool, pp: in
 
 def _stage_param_bytes(k: int, spans: list[range], count: int, units: Units) -> int:
     """The (sharded) parameter bytes of stage ``k`` on one rank."""
-    out = len(spans[k]) * units.params["L2"]
+    out = len(spans[k]) * (units.params["L2"] - units.extra.get("expert_params", 0))
     if k == 0:
         out += units.params["E"]
     if k == count - 1:

@@ -14,7 +14,9 @@ as plain tensor parallelism, less activation memory); the checkpoint ratios (or
 degree asked for (``cp``, 1 by default; ``cp=None`` tries every degree that divides the
 ranks left by tensor parallelism, without a pipeline, where the sequence splits into
 ``2 cp`` chunks (``2 cp tp`` with sequence parallelism): the data-parallel degree is then
-``gpus / (tp x pp x cp)``, and FSDP2 shards over ``dp_shard x cp``). What a degree fixed by the
+``gpus / (tp x pp x cp)``, and FSDP2 shards over ``dp_shard x cp``); expert parallelism at
+the degree asked for (``ep``, 1 by default; ``ep=None`` tries every degree that divides the
+model's experts and the data-parallel ranks it folds into). What a degree fixed by the
 caller leaves is searched. Every layout is a :class:`torchloom.Layout` as
 ``torchloom train`` makes it (``grad_accum`` micro-steps without a pipeline,
 ``n_microbatches`` with one).
@@ -44,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.errors import PlanError
+from ..core.errors import PlanError, ScheduleError
 from .layout import OPTIMIZERS, Layout, check_model
 from .predict import Prediction, predict
 from .profiles import Profile, get_profile
@@ -100,7 +102,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                       param_dtype: str = "fp32", mixed_precision: str | None = None,
                       optimizer: str = "adamw", loss: str = "chunked",
                       compile: bool = False, float8: bool = False, async_tp: bool = False,
-                      cp: int | None = 1,
+                      cp: int | None = 1, ep: int | None = 1,
                       ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every valid layout (see the module docstring), and the ones refused with why.
     ``dp_mode``: ``"ddp"``, ``"fsdp"`` or ``"hsdp"`` (None: DDP and FSDP2);
@@ -109,7 +111,9 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
     ``compile``, ``float8``, ``async_tp``: the :class:`~torchloom.parallel.layout.Layout`
     fields of every layout (``loss="parallel"`` is ``"full"`` and ``async_tp`` off where a
     layout has no tensor parallelism or no sequence parallelism: they need it); ``cp``: the
-    context-parallel degree (None: every valid one, see the module docstring)."""
+    context-parallel degree (None: every valid one, see the module docstring); ``ep``: the
+    expert-parallel degree (None: every one that divides the data-parallel ranks, FSDP2's
+    shards under FSDP2, and the model's experts, without ``cp``)."""
     out: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
     ratios = [0.0] if ac else list(ckpt_ratios)
@@ -142,9 +146,10 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                             continue
                         steps: dict[str, Any] = ({"n_microbatches": n} if p > 1
                                                  else {"grad_accum": n})
-                        for r in ratios:
+                        for r, e in [(r, e) for r in ratios
+                                     for e in _eps(ep, spec, p, c, rep, shard)]:
                             try:
-                                lay = Layout(tp=t, sp=s, pp=p, cp=c, dp_replicate=rep,
+                                lay = Layout(tp=t, sp=s, pp=p, cp=c, ep=e, dp_replicate=rep,
                                              dp_shard=shard, **pipe, **steps,
                                              micro_batch=mb, seq_len=seq_len, ckpt_ratio=r,
                                              ac=ac, param_dtype=param_dtype,
@@ -175,34 +180,57 @@ def _cps(cp: int | None, gpus: int, tp: int, pp: int) -> list[int]:
     return _divisors(gpus // (tp * pp))
 
 
-def _layer_params(spec: ModelSpec) -> tuple[int, int]:
-    """(parameters of one layer, the others) of the model, from its meta build."""
+def _eps(ep: int | None, spec: ModelSpec, pp: int, cp: int, replicate: int,
+         shard: int) -> list[int]:
+    """The expert-parallel degrees to try: the one given, or (None) every degree that
+    divides the model's experts and the ranks it folds into (FSDP2's shards, else DDP's
+    replicas), without context parallelism."""
+    if ep is not None:
+        return [ep]
+    experts = spec.attr("num_local_experts", "num_experts", "n_routed_experts")
+    if cp > 1 or not isinstance(experts, int) or experts < 2:
+        return [1]
+    ranks = shard if shard > 1 else replicate
+    return [d for d in _divisors(ranks) if experts % d == 0]
+
+
+def _layer_params(spec: ModelSpec) -> tuple[int, int, int]:
+    """(parameters of one layer, the others, the experts' of one layer) of the model,
+    from its meta build."""
+    from ..primitives.expert_parallel import experts_modules
+
     model = spec.build(depth=1)
     stack = model.get_submodule(spec.layers)
     layer = sum(p.numel() for p in stack.parameters())
-    return layer, sum(p.numel() for p in model.parameters()) - layer
+    experts = sum(p.numel() for _, m in experts_modules(stack) for p in m.parameters())
+    return layer, sum(p.numel() for p in model.parameters()) - layer, experts
 
 
-def state_lower_bound(layout: Layout, layer_params: int, num_layers: int) -> int:
+def state_lower_bound(layout: Layout, layer_params: int, num_layers: int,
+                      expert_params: int = 0) -> int:
     """Bytes that parameters, gradients and optimizer state need at least on the busiest
     rank: its stages' layers split between the tensor-parallel ranks (and the FSDP2
-    shards), in the parameter dtype."""
+    shards), in the parameter dtype; of them ``expert_params`` per layer (the experts)
+    split between the ``ep`` ranks only."""
     per_rank = max(layout.stage_layers(num_layers)) * layout.per_rank
     # FSDP2 shards over dp_shard x cp; DDP keeps whole parameters on every cp rank
     share = layout.tp * layout.dp_shard * (layout.cp if layout.dp_shard > 1 else 1)
     size = DTYPES[layout.param_dtype].itemsize
-    return per_rank * layer_params // share * size * (2 + OPTIMIZERS[layout.optimizer])
+    experts = expert_params // layout.ep if layout.ep > 1 else expert_params // share
+    per_layer = (layer_params - expert_params) // share + experts
+    return per_rank * per_layer * size * (2 + OPTIMIZERS[layout.optimizer])
 
 
 def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch_size: int,
            seq_len: int, schedule: ScheduleFn | None = None, size: str = "tiny",
            progress: Progress | None = None, min_headroom: float = 0.0,
-           **space: Any) -> SearchResult:
+           imbalance: float = 1.0, **space: Any) -> SearchResult:
     """Rank the layouts of ``gpus`` devices for ``model`` (see the module docstring).
     ``space``: the keyword arguments of :func:`enumerate_layouts` (degrees, modes, ratios,
     micro-batch sizes, dtypes, optimizer); ``progress(done, total, what)`` is called
     before each prediction; ``min_headroom``: the share of the usable memory a layout
-    must leave free to rank among the first."""
+    must leave free to rank among the first; ``imbalance``: the routing imbalance of
+    expert-parallel layouts (:func:`~torchloom.plan.predict.predict`)."""
     started = time.perf_counter()
     spec = model_spec(model, size=size, seq_len=seq_len)
     prof = get_profile(profile)
@@ -216,10 +244,10 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
             primitive="plan", values={"gpus": gpus, "batch_size": batch_size, **{
                 k: v for k, v in space.items() if k in ("tp", "pp", "dp")}},
             fix=f"a --batch-size divisible by the data-parallel degree, e.g. {gpus}")
-    layer, _ = _layer_params(spec)
+    layer, _, expert_layer = _layer_params(spec)
     todo = []
     for lay in layouts:
-        need = state_lower_bound(lay, layer, spec.num_layers)
+        need = state_lower_bound(lay, layer, spec.num_layers, expert_layer)
         if need > prof.budget:
             rejected.append((lay, f"parameters, gradients and optimizer state alone need "
                                   f"{need / 2**30:.1f} GiB > {prof.budget / 2**30:.1f} GiB"))
@@ -227,15 +255,15 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
             todo.append(lay)
     # measurements are shared by layouts with the same tensor-parallel degree and mode:
     # predict those groups together so that a progress bar moves evenly
-    todo.sort(key=lambda l: (l.tp, l.sp, l.dp_mode, l.dp_replicate, l.pp > 1, l.pp,
+    todo.sort(key=lambda l: (l.tp, l.sp, l.dp_mode, l.dp_replicate, l.ep, l.pp > 1, l.pp,
                              l.micro_batch, l.ckpt_ratio))
     preds: list[Prediction] = []
     for i, lay in enumerate(todo):
         if progress is not None:
             progress(i, len(todo), lay.describe())
         try:
-            preds.append(predict(spec, lay, prof, schedule=schedule))
-        except PlanError as err:
+            preds.append(predict(spec, lay, prof, schedule=schedule, imbalance=imbalance))
+        except ScheduleError as err:  # a layout refused, or a schedule the model refuses
             rejected.append((lay, err.problem))
     if progress is not None:
         progress(len(todo), len(todo), "done")

@@ -38,7 +38,8 @@ from ..core.errors import PlanError
 from ..core.meta import copy_meta
 from ..core.outputs import no_cache_kwargs
 from ..runtime.causal_mask import unpacked_sequences
-from .opcost import OpCost, flop_counter
+from ..runtime.expert_routing_model import modeled_routing
+from .opcost import OpCost, flop_counter, grouped_mm_on_fake
 from .spec import DTYPES, ModelSpec
 from .tracking import Collective, fsdp_storage_resizes
 
@@ -78,6 +79,13 @@ class UnitKey:
             group, the model under the ``context_parallel`` primitive (its attention
             all-gathers the keys and values, its inputs are this rank's ``seq_len / cp``
             tokens); FSDP2 then shards over ``fsdp x cp`` ranks.
+        ep: the expert-parallel degree (folded into the data-parallel ranks: of FSDP2's
+            ``fsdp`` ranks, or DDP's replicas): the measured rank holds ``E / ep`` experts
+            of every mixture-of-experts module (FSDP2 leaves them whole) and dispatches its
+            tokens by all-to-all under
+            :func:`~torchloom.runtime.expert_routing_model.modeled_routing`.
+        imbalance: the routing model's load of the busiest expert-parallel rank over the
+            average (1.0: balanced); the measured rank is that one.
     """
 
     tp: int = 1
@@ -93,6 +101,8 @@ class UnitKey:
     ac: str | None = None
     loss_mode: str = "full"
     cp: int = 1
+    ep: int = 1
+    imbalance: float = 1.0
 
     def layout(self) -> Any:
         """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
@@ -100,8 +110,9 @@ class UnitKey:
         :func:`torchloom.parallel.init_mesh`'s and :func:`torchloom.parallelize`'s."""
         from ..parallel.layout import Layout
 
+        replicate = self.replicate if self.fsdp > 1 else max(1, self.ep)
         return Layout(tp=self.tp, sp=self.sp, dp_shard=self.fsdp,
-                      dp_replicate=self.replicate if self.fsdp > 1 else 1,
+                      dp_replicate=replicate, ep=self.ep,
                       micro_batch=self.micro_batch, seq_len=self.seq_len,
                       param_dtype=self.param_dtype, mixed_precision=self.mixed_precision,
                       reduce_dtype=self.reduce_dtype, loss=self.loss_mode, cp=self.cp)
@@ -256,15 +267,25 @@ def _autocast(key: UnitKey) -> Any:
     return torch.autocast("cpu", dtype=DTYPES[key.mixed_precision])
 
 
+def _expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters expert parallelism split (each rank its own experts)."""
+    from ..core.meta import shard_spec
+
+    return [p for p in model.parameters()
+            if (spec := shard_spec(p)) is not None and spec.group is not None]
+
+
 def _fully_shard(model: nn.Module, spec: ModelSpec, mesh: Any, key: UnitKey) -> None:
     """FSDP2 as :func:`torchloom.parallelize` applies it: each layer, then the root, over
-    the mesh's FSDP2 dimension(s), with the layout's mixed-precision policy."""
+    the mesh's FSDP2 dimension(s), with the layout's mixed-precision policy; the experts
+    of expert parallelism left whole."""
     from ..parallel.parallelize import mp_policy
     from ..runtime.parallel import fully_shard_model
 
     layers: Any = model.get_submodule(spec.layers)
     units = [f"{spec.layers}.{i}" for i in range(len(layers))]
-    fully_shard_model(model, mesh, units, mp_policy=mp_policy(key.layout()))
+    fully_shard_model(model, mesh, units, mp_policy=mp_policy(key.layout()),
+                      ignored=set(_expert_params(model)) or None)
 
 
 def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
@@ -281,6 +302,8 @@ def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
     if key.cp > 1 and key.fsdp > 1:
         # FSDP2 shards over dp_shard x cp flattened (one group, labelled as FSDP2's)
         out[mesh.shard_group().group_name] = "dp"
+    if key.ep > 1:
+        out[mesh.group("ep").group_name] = "ep"
     return out
 
 
@@ -357,6 +380,8 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
             sch[spec.layers].checkpoint(ratio=ckpt_layers / depth, policy="op")
         if key.cp > 1:  # as torchloom.parallelize: after the schedule, over the cp group
             sch.context_parallel(mesh.group("cp") if mesh is not None else None)
+        if key.ep > 1:  # likewise, over the ep group
+            sch.expert_parallel(mesh.group("ep") if mesh is not None else None)
         layers: Any = model.get_submodule(spec.layers)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         if key.fsdp > 1:
@@ -375,8 +400,13 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
             from ..ops.loss import set_loss
 
             set_loss(model, loss, group)
-        return _run(spec, key, model, layers, inputs, mode, groups,
-                    None if key.loss == "model" else pipeline_loss(loss, group))
+        units = _run(spec, key, model, layers, inputs, mode, groups,
+                     None if key.loss == "model" else pipeline_loss(loss, group))
+        # the bytes of a layer's experts (split by ep, left whole by FSDP2): their
+        # gradients are averaged over the ranks holding the same experts, not by DDP
+        # or FSDP2
+        units.extra["expert_params"] = sum(_nbytes(p) for p in _expert_params(layers[depth - 1]))
+        return units
 
 
 def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
@@ -443,8 +473,8 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
 
     params = {id(p): p for p in model.parameters()}
     try:
-        with mode, fsdp_storage_resizes(tracker), tracker, unpacked_sequences(), \
-                _cp_kernels(key.cp):
+        with mode, grouped_mm_on_fake(), fsdp_storage_resizes(tracker), tracker, \
+                unpacked_sequences(), _cp_kernels(key.cp), modeled_routing(key.imbalance):
             for t in [*params.values(), *model.buffers(), *inputs.values()]:
                 tracker.track(t)
             start = tracker.current
@@ -561,7 +591,7 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
     from ..runtime.parallel import init_mesh
     from ..runtime.pipeline_split import split_stages
 
-    with fake_world(key.tp):
+    with fake_world(key.tp), grouped_mm_on_fake():
         mesh = init_mesh(tp=key.tp, device_type="cpu")
         model = spec.build(depth=3, dtype=DTYPES[key.param_dtype])
         sch = create_schedule(model, group=mesh["tp"].get_group() if key.tp > 1 else None)
@@ -629,4 +659,4 @@ def extrapolate(one: Units, two: Units, micro_batch: int) -> Units | None:
     return Units(key, segments, one.params, one.shared, one.grads, one.largest,
                  one.param_tensors, one.buffers, lin(one.inputs, two.inputs),
                  lin(one.start, two.start), lin(one.flops_total, two.flops_total),
-                 lin(one.leftover, two.leftover), {"extrapolated_from": (1, 2)})
+                 lin(one.leftover, two.leftover), {**one.extra, "extrapolated_from": (1, 2)})

@@ -9,7 +9,8 @@ every transformers family decorated with ``use_experts_implementation`` does: Mi
 Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss, ...), and for each one:
 
 * **weights**: every parameter and buffer with one entry per expert (leading dimension
-  ``num_experts``: ``gate_up_proj``, ``down_proj``, their biases) keeps rank ``r``'s
+  ``num_experts``: ``gate_up_proj``, ``down_proj``, their biases, and those of its
+  submodules, such as Ergo's per-expert ``post_expert_norm.weight``) keeps rank ``r``'s
   ``num_experts / ep`` experts, ``r * E / ep`` on; the record is a
   :class:`~torchloom.core.meta.ShardSpec` of axis 0 over ``group`` (so ``build(weights=)``
   reads only this rank's experts, and ``gather`` / ``save`` / ``save_pretrained`` put the
@@ -191,7 +192,7 @@ def _check(sch: Schedule, found: list[tuple[str, nn.Module]], size: int) -> None
                         {"module": path, "num_experts": count, "ep": size},
                         f"an expert-parallel degree that divides {count}")
         for pname in expert_params(module, count):
-            tensor = getattr(module, pname)
+            tensor = getattr(*_owner(module, pname))
             spec = shard_spec(tensor)
             if spec is not None and spec.world_size > 1 or type(tensor).__name__ == "DTensor":
                 raise _fail(sch, f"{path}.{pname} is already split (tensor parallelism "
@@ -202,23 +203,31 @@ def _check(sch: Schedule, found: list[tuple[str, nn.Module]], size: int) -> None
                             "with the tensor-parallel plan (Layout(ep=...) keeps them whole)")
 
 
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding the tensor ``name`` (relative to ``module``, maybe in a
+    submodule) and the tensor's own name there."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
 def _split(module: nn.Module, names: list[str], spec_of: Any) -> None:
-    for pname in names:
-        tensor = getattr(module, pname)
+    for name in names:
+        owner, pname = _owner(module, name)
+        tensor = getattr(owner, pname)
         spec = spec_of(tuple(tensor.shape))
         with torch.no_grad():
             piece = spec.slice(tensor.detach()).clone()
         new: torch.Tensor
-        if pname in module._parameters:
+        if pname in owner._parameters:
             new = nn.Parameter(piece, requires_grad=tensor.requires_grad)
         else:
             new = piece
         copy_meta(tensor, new)
         get_meta(new).shard = spec
-        if pname in module._parameters:
-            module._parameters[pname] = cast(nn.Parameter, new)
+        if pname in owner._parameters:
+            owner._parameters[pname] = cast(nn.Parameter, new)
         else:
-            module._buffers[pname] = new
+            owner._buffers[pname] = new
 
 
 @primitive(NAME, errors=(ExpertParallelError,), recorded=False)

@@ -26,7 +26,8 @@ The router, its top-k, its normalisation and the load-balancing loss run before 
 experts module and are untouched. Assignments to an id outside ``0 .. E - 1`` (the
 "zero" experts some families route to) contribute nothing, as in the eager loop.
 On meta or fake tensors (a pipeline sizing its stages) only the output's shape and dtype
-are computed: the split sizes are data. Gradients: autograd sends each row's gradient back by the reverse all-to-all; an
+are computed: the split sizes are data; the planner measures fake tensors under
+:func:`~torchloom.runtime.expert_routing_model.modeled_routing`, which supplies them. Gradients: autograd sends each row's gradient back by the reverse all-to-all; an
 expert's gradient is the sum over every rank's tokens routed to it (the data-parallel
 average is :func:`torchloom.parallelize`'s, see :func:`expert_gradients`).
 
@@ -65,6 +66,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..core.errors import ExpertParallelError
 from . import collectives as C
+from .expert_routing_model import modeled_dispatch, modeled_imbalance
 
 __all__ = ["EPState", "dispatch", "expert_gradients", "expert_params"]
 
@@ -117,7 +119,9 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     ``state``'s group (see the module docstring). ``forward`` is the module's own forward
     (unbound); ``module`` holds this rank's experts."""
     shape = hidden_states.shape
-    if hidden_states.is_meta or is_fake(hidden_states):
+    imbalance = modeled_imbalance()
+    if (hidden_states.is_meta or is_fake(hidden_states)) and \
+            (imbalance is None or hidden_states.is_meta):
         # sizing a model on meta or fake tensors (a pipeline's stage boundaries): how many
         # tokens each rank receives is data, so only the output's shape and dtype are kept
         return torch.zeros_like(hidden_states) + 0 * top_k_weights.sum().to(hidden_states.dtype)
@@ -125,6 +129,13 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     index = top_k_index.reshape(x.shape[0], -1)
     weights = top_k_weights.reshape(x.shape[0], -1)
     _check_routing(x, index, weights, state)
+
+    def run_local(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return _run_local(forward, module, rows, local_ids, weights.dtype)
+
+    if imbalance is not None and is_fake(hidden_states):  # the planner's measurement
+        out = modeled_dispatch(run_local, x, index, weights, state, imbalance)
+        return out.to(hidden_states.dtype).reshape(shape)
     k, experts = index.shape[1], state.num_experts
     flat = index.reshape(-1)
     valid = (flat >= 0) & (flat < experts)
@@ -147,15 +158,7 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     rows = C.all_to_all(x.index_select(0, tokens), send, recv, state.group)
     local_ids = torch.arange(state.local, device=x.device).repeat(state.size)
     local_ids = local_ids.repeat_interleave(per_source.reshape(-1).to(x.device))
-    ones = torch.ones((rows.shape[0], 1), dtype=weights.dtype, device=x.device)
-    weight = next(iter(module.parameters(recurse=False)), None)
-    if weight is not None and weight.is_floating_point() and weight.dtype != rows.dtype \
-            and not torch.is_autocast_enabled(rows.device.type):
-        # the experts are not cast by FSDP2's mixed precision (they are left out of it):
-        # they compute in their own dtype, and hand back the tokens' dtype
-        out = forward(module, rows.to(weight.dtype), local_ids[:, None], ones).to(rows.dtype)
-    else:
-        out = forward(module, rows, local_ids[:, None], ones)
+    out = run_local(rows, local_ids)
     back = C.all_to_all(out, recv, send, state.group)
     contrib = back * weights.reshape(-1).index_select(0, order)[:, None].to(back.dtype)
     result = torch.zeros(x.shape, dtype=contrib.dtype, device=x.device)
@@ -163,12 +166,29 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     return result.to(hidden_states.dtype).reshape(shape)
 
 
+def _run_local(forward: Callable[..., torch.Tensor], module: nn.Module, rows: torch.Tensor,
+               local_ids: torch.Tensor, weights_dtype: torch.dtype) -> torch.Tensor:
+    """The module's own forward on the rows this rank received, each routed to one local
+    expert with weight one."""
+    ones = torch.ones((rows.shape[0], 1), dtype=weights_dtype, device=rows.device)
+    weight = next(iter(module.parameters(recurse=False)), None)
+    if weight is not None and weight.is_floating_point() and weight.dtype != rows.dtype \
+            and not torch.is_autocast_enabled(rows.device.type):
+        # the experts are not cast by FSDP2's mixed precision (they are left out of it):
+        # they compute in their own dtype, and hand back the tokens' dtype
+        return forward(module, rows.to(weight.dtype), local_ids[:, None], ones).to(rows.dtype)
+    return forward(module, rows, local_ids[:, None], ones)
+
+
 def expert_params(module: nn.Module, num_experts: int) -> list[str]:
-    """The names of ``module``'s own parameters and buffers with one entry per expert
-    (leading dimension ``num_experts``): what expert parallelism splits."""
-    names = [name for name, p in module.named_parameters(recurse=False)
+    """The names (relative to ``module``) of its parameters and buffers with one entry per
+    expert (leading dimension ``num_experts``): what expert parallelism splits. Those of
+    its submodules count too: a per-expert scale the experts module applies through a
+    submodule of its own (Ergo's ``post_expert_norm.weight``, one row per expert,
+    indexed by the local expert ids the dispatch hands it) must hold this rank's rows."""
+    names = [name for name, p in module.named_parameters()
              if p is not None and p.dim() >= 1 and p.shape[0] == num_experts]
-    names += [name for name, b in module.named_buffers(recurse=False)
+    names += [name for name, b in module.named_buffers()
               if b is not None and b.dim() >= 1 and b.shape[0] == num_experts]
     return names
 
