@@ -36,6 +36,10 @@ batch); on the two ranks a meta copy of the folder's config is loaded with
 pipeline_stages=2)``) and its first loss must be within ``LOAD_TOL`` of the reference.
 One job per family and layout, in the same lock-step launch.
 
+``--layouts ep`` runs the **expert-parallel sweep** (``benchmarks/ep_sweep.py``): every
+mixture-of-experts family at ``Layout(dp_replicate=2, ep=2)``, its loss and every
+gradient against one process.
+
 Output: a Markdown table family -> result (``passed``, or the stage, the style / module
 that failed and the first line of the error), with counts; ``--json PATH`` writes the
 rows and counts.
@@ -48,6 +52,7 @@ Usage::
     python benchmarks/zoo_sweep.py --ci                     # the CI subset (12 families)
     python benchmarks/zoo_sweep.py --layouts tp,fsdp,pp --timeout 60   # loading, every family
     python benchmarks/zoo_sweep.py --ci --layouts pp,fsdp   # loading, the CI subset (7)
+    python benchmarks/zoo_sweep.py --layouts ep --timeout 120   # expert parallelism, MoE
 
 >>> kw = tiny_kwargs(__import__("transformers").LlamaConfig)   # Llama's defaults: sizes only
 >>> sorted(kw.items())                       # (its head_dim and KV heads are derived: 128, 32)
@@ -836,11 +841,12 @@ class LoadJob:
 
 
 def _family(item: Any) -> Family:
-    return item.family if isinstance(item, LoadJob) else item
+    """The family of a job (a :class:`LoadJob`, ``ep_sweep.EpJob``) or of a family."""
+    return item if isinstance(item, Family) else item.family
 
 
 def _label(item: Any) -> str:
-    return f"{item.family.name} [{item.layout}]" if isinstance(item, LoadJob) else item.name
+    return item.name if isinstance(item, Family) else f"{item.family.name} [{item.layout}]"
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -1205,7 +1211,9 @@ def _rank_main(rank: int, port: int, families: list[Any], args: argparse.Namespa
                 break
             if fault.startswith(f"{_family(family).name}:{rank}:"):
                 _inject(fault.rsplit(":", 1)[1])
-            if isinstance(family, LoadJob):
+            if hasattr(family, "run"):  # a job that runs itself (ep_sweep.EpJob)
+                row = family.run(args)
+            elif isinstance(family, LoadJob):
                 row = run_load(family, args.schedule)
             else:
                 row = run_family(family, args.schedule, not args.no_sp, args.seed)
@@ -1281,7 +1289,7 @@ def sweep(families: list[Any], args: argparse.Namespace,
                        "status": "failed", "stage": (row or {}).get("stage") or "timeout",
                        "error": (row or {}).get("error") or why, "culprit":
                        (row or {}).get("culprit", "")}
-                if isinstance(family, LoadJob):
+                if not isinstance(family, Family):
                     row["layout"] = family.layout
                 row["error"] = row["error"] + f" [{why}]" if why not in row["error"] else \
                     row["error"]
@@ -1396,7 +1404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", type=_layouts, metavar="tp,fsdp,pp",
                    help="instead of training at TP=2: load each family's save_pretrained "
                    "folder into a meta model with build(weights=) under these layouts and "
-                   "compare the first loss with from_pretrained in one process")
+                   "compare the first loss with from_pretrained in one process; 'ep' "
+                   "(alone): the expert-parallel sweep over every mixture-of-experts family "
+                   "(benchmarks/ep_sweep.py)")
     p.add_argument("--limit", type=int, help="only the first N families")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one family may take (and the collective timeout)")
@@ -1414,10 +1424,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _layouts(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in LAYOUTS]
+    unknown = [n for n in names if n not in (*LAYOUTS, "ep")]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown layout(s) {', '.join(unknown) or repr(text)}; known: {','.join(LAYOUTS)}")
+            f"unknown layout(s) {', '.join(unknown) or repr(text)}; known: {','.join(LAYOUTS)}"
+            ", or ep alone")
+    if "ep" in names and len(set(names)) > 1:
+        raise argparse.ArgumentTypeError(
+            "ep runs alone: --layouts ep is the expert-parallel sweep (benchmarks/ep_sweep.py)")
     return list(dict.fromkeys(names))
 
 
@@ -1444,6 +1458,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     args = parse_args(argv)
+    if args.layouts == ["ep"]:  # the expert-parallel sweep, over its own families
+        import ep_sweep
+
+        return ep_sweep.main(argv)
     families, skipped = select(args)
     if args.list:
         for f in families:

@@ -120,6 +120,41 @@ def test_finds_the_plan_modules_and_a_users_own():
     assert num_experts_of(block.experts) == 4
 
 
+class ScaledExperts(OwnExperts):
+    """Experts with one output scale per expert held by a submodule (as Ergo's
+    ``post_expert_norm``), indexed by the expert ids the module is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.rand(4, 6) + 0.5)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for slot in range(top_k_index.shape[1]):
+            ids = top_k_index[:, slot]
+            y = torch.einsum("nh,noh->no", hidden_states, self.w[ids]) * self.norm.weight[ids]
+            out = out + y * top_k_weights[:, slot, None]
+        return out
+
+
+def test_a_per_expert_tensor_of_a_submodule_is_split():
+    """A tensor with one entry per expert in a submodule of the experts module is split
+    with the experts (each rank's rows: the module indexes it with local expert ids)."""
+    torch.manual_seed(0)
+    block = Block()
+    block.experts = ScaledExperts()
+    assert expert_params(block.experts, 4) == ["w", "bias", "norm.weight"]
+    reference = copy.deepcopy(block)
+    tl.create_schedule(block)["experts"].expert_parallel()
+    spec = tl.shard_spec(block.experts.norm.weight)
+    assert spec is not None and spec.full_shape == (4, 6)
+    assert tl.shard_spec(block.experts.scale) is None  # shared: stays whole
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(block(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
 def test_a_users_experts_and_zero_experts():
     """A user's own experts module at the path: its output and gradients are kept, and a
     token routed past the last expert (a "zero" expert) contributes nothing, as in the

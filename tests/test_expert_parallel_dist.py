@@ -1,6 +1,7 @@
 """Expert parallelism (issue 28) built by ``torchloom.parallelize``, on gloo: two ranks in
-one launch (ep 2 over DDP and over FSDP2, Mixtral and Qwen3-MoE, a training step, save and
-resume at another degree, ``save_pretrained`` and ``build(weights=)``, the refusals), four
+one launch (ep 2 over DDP and over FSDP2, Mixtral and Qwen3-MoE, Ergo's per-expert scale in
+a submodule of its experts module, a training step, save and resume at another degree,
+``save_pretrained`` and ``build(weights=)``, the refusals), four
 in another (ep 2 with tp 2; ep 2 inside FSDP2 over 4 ranks, where two ranks hold each
 expert and average its gradient).
 
@@ -131,6 +132,46 @@ def _check_ep_alone(rank: int) -> None:
             _step_and_compare(done, reference, mesh)
 
 
+def _ergo() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.ErgoConfig(**{k: v for k, v in SIZES.items() if k != "intermediate_size"},
+                       first_dense_intermediate_size=64, moe_intermediate_size=48,
+                       shared_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                       sliding_window=8)
+    model = T.ErgoForCausalLM(cfg).train()
+    with torch.no_grad():  # one RMSNorm scale per expert, each different (not the ones)
+        for layer in model.model.layers:
+            norm = getattr(getattr(layer.mlp, "experts", None), "post_expert_norm", None)
+            if norm is not None:
+                norm.weight.copy_(torch.rand(norm.weight.shape) + 0.5)
+    return model
+
+
+def _check_expert_tensor_in_a_submodule(rank: int) -> None:
+    """Ergo's experts module applies a per-expert RMSNorm scale through a submodule of its
+    own (``post_expert_norm.weight``, one row per expert, indexed by the local expert ids
+    the dispatch hands it): each rank keeps its experts' rows, so the loss and every
+    gradient equal one process (before, the scale stayed whole and rank 1's experts used
+    experts 0 and 1's rows)."""
+    if not hasattr(T, "ErgoForCausalLM"):
+        return
+    done, reference, mesh = _build(_ergo, Layout(dp_replicate=2, ep=2, seq_len=SEQ))
+    experts = done.module.model.layers[1].mlp.experts
+    spec = tl.shard_spec(experts.post_expert_norm.weight)
+    assert experts.post_expert_norm.weight.shape[0] == 2 and spec.full_shape[0] == 4
+    assert "model.layers.1.mlp.experts.post_expert_norm.weight" in {
+        n for n, p in done.module.named_parameters() if p in set(done.expert_parameters())}
+    dp = _dp_rank(mesh)
+    out = done.model(input_ids=_batch(dp), labels=_batch(dp))
+    out.loss.backward()
+    done.reduce_gradients()
+    losses, grads = _reference(reference, 2)
+    torch.testing.assert_close(out.loss.detach(), losses[dp], rtol=1e-5, atol=1e-6)
+    for name, p in done.module.named_parameters():
+        torch.testing.assert_close(_full(p.grad), _expected(name, p, grads), **TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def _check_gather_and_save(root: str, rank: int) -> None:
     """full_state_dict / save_pretrained write the single-process keys and full shapes; tl.save at
     ep 2 resumes at ep 1 (DDP) with the same tensors; build(weights=) at ep 2 reads each
@@ -251,19 +292,37 @@ def _check_ep_with_tp(rank: int) -> None:
     _step_and_compare(done, reference, mesh, optimizer_step=False)
 
 
-def _check_ep_in_fsdp4(rank: int) -> None:
-    """ep 2 inside FSDP2 over 4 ranks: two ep groups, each expert held by two ranks (its
-    gradient averaged over them); Qwen3-MoE equals one process after a step."""
+def _check_ep_in_fsdp4(root: str, rank: int) -> None:
+    """ep 2 inside FSDP2 over 4 ranks: two ep groups, each expert held by two ranks and
+    FSDP2-sharded between them (its gradient averaged over them); Qwen3-MoE equals one
+    process after a step, gathers to the single-process state and resumes at ep 1."""
     done, reference, mesh = _build(_qwen3_moe, Layout(dp_shard=4, ep=2, seq_len=SEQ))
     assert mesh.size("ep_replicas") == 2
+    # FSDP2 shards each rank's 2 experts again over the 2 ranks holding them
+    gate_up = done.module.model.layers[0].mlp.experts.gate_up_proj
+    assert type(gate_up).__name__ == "DTensor" and gate_up.to_local().shape[0] == 1
+    assert gate_up.full_tensor().shape[0] == 2
     _step_and_compare(done, reference, mesh)
+    # gathered, and saved then loaded at ep 1: the single-process tensors
+    full = tl.full_state_dict(done.module)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=2e-6, msg=key)
+    ckpt = os.path.join(root, "ep-fsdp4")
+    opt = torch.optim.SGD(done.module.parameters(), lr=0.1)
+    tl.save(done.module, opt, ckpt, step=1)
+    other, _, _ = _build(_qwen3_moe, Layout(dp_shard=4, seq_len=SEQ))
+    tl.load(other.module, torch.optim.SGD(other.module.parameters(), lr=0.1), ckpt)
+    for key, value in tl.full_state_dict(other.module).items():
+        torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
 
 
 def test_expert_parallel_on_two_ranks(tmp_path):
-    spawn(_check_ep_alone, functools.partial(_check_gather_and_save, str(tmp_path)),
+    spawn(_check_ep_alone, _check_expert_tensor_in_a_submodule,
+          functools.partial(_check_gather_and_save, str(tmp_path)),
           functools.partial(_check_train, str(tmp_path)), _check_verify, _check_refusals,
           timeout_s=300)
 
 
-def test_expert_parallel_on_four_ranks():
-    spawn(_check_ep_with_tp, _check_ep_in_fsdp4, world=4, timeout_s=300)
+def test_expert_parallel_on_four_ranks(tmp_path):
+    spawn(_check_ep_with_tp, functools.partial(_check_ep_in_fsdp4, str(tmp_path)), world=4,
+          timeout_s=300)

@@ -3,7 +3,9 @@
 data-parallel ranks, trained by ``torchloom train`` under DDP and FSDP2 and compared with
 the same pipeline without expert parallelism (fp32: the dispatch adds each token's
 experts in the single-process order, so the losses agree within 1e-5 relative, with the
-gradient norm clipped); the checkpoint of the expert-parallel run resumes at ep 1.
+gradient norm clipped); the checkpoint of the expert-parallel run resumes at ep 1. In the
+same launch, ``--dp 4 --dp-mode fsdp --ep 2`` (the experts FSDP2-sharded over the ranks
+that share them) equals ``--dp 4 --dp-mode fsdp``.
 """
 
 from __future__ import annotations
@@ -86,8 +88,23 @@ def _train(root: str, rank: int) -> None:
                                torch.tensor(losses["ddp"][2:]), rtol=1e-5, atol=0)
 
 
+def _train_fsdp4(root: str, rank: int) -> None:
+    """No pipeline: ``--dp 4 --dp-mode fsdp --ep 2``, where FSDP2 shards each rank's
+    experts again over the two ranks holding them, equals ``--dp 4 --dp-mode fsdp`` with
+    the gradient norm clipped (the experts' shards summed over their replicas, then over
+    the ep group)."""
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    common = dict(model=os.path.join(root, "mixtral"), steps=3, batch_size=8, seq_len=16,
+                  progress=False, dp=4, dp_mode="fsdp", clip_grad=0.05)
+    ep = train_rank(rank, TrainConfig(ep=2, save_dir=os.path.join(root, "f-ep"), **common))
+    plain = train_rank(rank, TrainConfig(save_dir=os.path.join(root, "f-plain"), **common))
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(plain["losses"]),
+                               rtol=1e-5, atol=0)
+
+
 def test_expert_parallel_inside_a_pipeline(tmp_path) -> None:
     import functools
 
     spawn(_stages_hold_half_of_their_experts, functools.partial(_train, str(tmp_path)),
-          world=4, timeout_s=300)
+          functools.partial(_train_fsdp4, str(tmp_path)), world=4, timeout_s=300)

@@ -269,11 +269,13 @@ class _Run:
     def grad_norm(self, params: list[nn.Parameter], tied: dict[int, int]) -> torch.Tensor:
         """The global L2 norm of the gradients: tensor-parallel shards summed over the tp
         group, FSDP2 shards over the dp_shard group (HSDP's replicas hold them again), the
-        experts of expert parallelism over the ep group, stages over the pp group; a weight tied
+        experts of expert parallelism over the ep group (their FSDP2 shards first over the
+        ep replicas), stages over the pp group; a weight tied
         across ``n`` stages counted once (``tied``: id -> n)."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         experts = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts_sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             if p.grad is None:
                 continue
@@ -281,12 +283,20 @@ class _Run:
             sq = grad.detach().double().pow(2).sum() / tied.get(id(p), 1)
             spec = shard_spec(p)
             if spec is not None and spec.group is not None:
-                experts += sq  # this rank's experts, whole (not FSDP2-sharded)
+                if hasattr(p.grad, "to_local"):
+                    experts_sharded += sq  # FSDP2 shards of them, over the ep replicas
+                else:
+                    experts += sq  # this rank's experts, whole
             elif spec is not None and spec.world_size > 1:
                 sharded += sq
             else:
                 replicated += sq
         if self.cfg.ep > 1 and self.mesh is not None:
+            replicas = self.mesh.group("ep_replicas")
+            if replicas is not None:
+                with guard_collective("all_reduce", _PRIMITIVE, replicas):
+                    dist.all_reduce(experts_sharded, group=replicas)
+            experts += experts_sharded
             group = self.mesh.group("ep")
             with guard_collective("all_reduce", _PRIMITIVE, group):
                 dist.all_reduce(experts, group=group)

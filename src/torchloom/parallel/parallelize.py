@@ -196,8 +196,12 @@ class Parallelized:
         if self.mesh is None:
             return
         if self.layout.ep > 1:
-            expert_gradients(self.expert_parameters(), self.mesh.group("ep_replicas"),
-                             self.layout.dp)
+            mine = self.expert_parameters()
+            whole = [p for p in mine if not hasattr(p, "to_local")]
+            expert_gradients(whole, self.mesh.group("ep_replicas"), self.layout.dp)
+            for p in mine:  # FSDP2's shards: averaged over the ep replicas in backward
+                if hasattr(p, "to_local") and p.grad is not None:
+                    p.grad.div_(self.layout.ep)
         if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1:
             return
         group = self.mesh.group("dp")
@@ -485,8 +489,8 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
                      strict=strict)
     if layout.dp_shard > 1:
         done.fsdp_units = units
-        built = fully_shard_model(built, mesh, units, mp_policy=policy,
-                                  ignored=set(done.expert_parameters()))
+        whole = shard_experts(built, mesh, policy)
+        built = fully_shard_model(built, mesh, units, mp_policy=policy, ignored=whole)
     done.model = built
     if done.loss != "full" or done.vocab_sharded:
         set_loss(root.mod, done.loss, done.loss_group)
@@ -506,6 +510,39 @@ def _experts(root: Schedule, mesh: Mesh | None, schedule_at: str) -> tuple[list[
     return [join_path(schedule_at, path) for path, _ in found], names
 
 
+def shard_experts(model: nn.Module, mesh: Mesh | None, policy: Any) -> set[nn.Parameter]:
+    """FSDP2 of the experts of expert parallelism (under FSDP2): each experts module of
+    ``model`` sharded over the data-parallel ranks that hold the same experts (the mesh's
+    ``ep_replicas``); FSDP2 averages their gradients over those ranks, and
+    :meth:`Parallelized.reduce_gradients` divides them by ``ep`` (each expert's gradient
+    is the sum over its ep group's tokens: together the gradient of the mean loss;
+    FSDP2's own divide factor needs a PREMUL_SUM reduction, which gloo lacks). Returns the expert parameters left
+    whole, for the outer ``fully_shard`` to ignore: all of them when every data-parallel
+    rank of an ep group holds its own experts alone (``dp == ep``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..core.marks import EXPERT_PARALLEL, has_mark
+    from ..core.meta import copy_meta
+
+    experts = {p for p in model.parameters()
+               if (spec := shard_spec(p)) is not None and spec.group is not None}
+    group = mesh.group("ep_replicas") if mesh is not None and experts else None
+    if mesh is None or group is None:
+        return experts
+    emesh = DeviceMesh.from_group(group, device_type=mesh.root.device_type)
+    kwargs: dict[str, Any] = {"mesh": emesh}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    for module in [m for m in model.modules() if has_mark(m, EXPERT_PARALLEL)]:
+        before = dict(module.named_parameters())
+        fully_shard(module, **kwargs)
+        for name, param in module.named_parameters():
+            if name in before:
+                copy_meta(before[name], param)
+    return set()
+
+
 def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
                  done: Parallelized) -> nn.Module:
     """FSDP2 of one pipeline stage module: each of its layers, then the stage."""
@@ -517,8 +554,7 @@ def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
             if path in names:
                 units.append(path)
     done.fsdp_units += units
-    experts = {p for p in stage.parameters()
-               if (spec := shard_spec(p)) is not None and spec.group is not None}
+    experts = shard_experts(stage, mesh, policy)
     root = None
     if policy is not None and policy.param_dtype is not None:
         # what crosses between stages was sized in the parameters' dtype: a stage in

@@ -42,7 +42,7 @@ What the composition models beyond the measured pieces:
   rows there and back, and back again in backward) are timed in line like tensor
   parallelism, at what the rank sends (``(ep - 1) / ep`` of it leaves the rank); the
   experts' gradients are all-reduced over the ``dp / ep`` ranks that hold the same
-  experts, not by DDP or FSDP2;
+  experts (DDP), or FSDP2 shards the experts over those ranks (measured);
 * **gradient accumulation**: ``grad_accum x n_microbatches`` micro-batches per step
   (:attr:`~torchloom.parallel.layout.Layout.micro_steps`), run by the pipeline in one
   schedule step as :func:`torchloom.parallelize` builds it.
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .layout import OPTIMIZERS, Layout, check_model
+from .notes import layout_notes
 from .pipeline import bubble_share, order
 from .profiles import Profile, get_profile
 from .results import CollectiveTotal, Memory, Prediction, RolePrediction, Time
@@ -360,7 +361,7 @@ class _Role:
     optimizer: float
 
 
-_DP_GROUPS = frozenset({"dp", "dp_replicate"})
+_DP_GROUPS = frozenset({"dp", "dp_replicate", "ep_replicas"})
 
 
 def _collectives(comm: Counter, layout: Layout, profile: Profile
@@ -432,46 +433,7 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     total_flops = sum(r.flops for r in out) * ranks
     model_flops = sum(r.model_flops for r in out) * ranks
     return Prediction(spec.name, layout, profile, tuple(out), step, total_flops,
-                      _notes(layout, units), model_flops)
-
-
-def _notes(layout: Layout, units: Units) -> tuple[str, ...]:
-    notes = []
-    fsdp = units.key.fsdp > 1
-    n = layout.micro_steps
-    if units.key.mixed_precision and fsdp:
-        reduce = layout.reduce_dtype or layout.param_dtype
-        notes.append("FSDP2 MixedPrecisionPolicy: all-gathers and compute in "
-                     f"{units.key.mixed_precision}, gradients reduced in {reduce}")
-    if fsdp and n > 1 and layout.pp == 1:
-        notes.append("FSDP2 with gradient accumulation: reduce-scatters on the last "
-                     "micro-step only (as torchloom train runs it) and keeps unsharded "
-                     "gradients between")
-    if fsdp and layout.pp > 1:
-        notes.append("FSDP2 under a pipeline: a stage's parameters stay unsharded from its "
-                     "first backward and its gradients accumulate unsharded until the "
-                     "step's end (torch.distributed.pipelining), then reduce-scatter once")
-    if layout.dp_mode == "hsdp":
-        notes.append(f"HSDP: sharded over {layout.dp_shard * layout.cp} ranks, gradients "
-                     f"all-reduced across {layout.dp_replicate} replicas")
-    if layout.cp > 1:
-        shard = (f"FSDP2 shards over dp_shard x cp = {layout.dp_shard * layout.cp} ranks"
-                 if layout.dp_shard > 1 else f"DDP over dp x cp = {layout.dp * layout.cp}")
-        notes.append(f"context parallelism: {layout.seq_len // layout.cp} of "
-                     f"{layout.seq_len} tokens per rank; each layer all-gathers K and V "
-                     f"over {layout.cp} ranks (not overlapped with compute); {shard}")
-    if layout.ep > 1:
-        notes.append(f"expert parallelism: E / {layout.ep} experts per rank, left out of "
-                     f"{'FSDP2' if fsdp else 'DDP'}; tokens dispatched by all-to-all over "
-                     f"{layout.ep} ranks (in line), the busiest receiving "
-                     f"{units.key.imbalance:g} x the average; expert gradients all-reduced "
-                     f"over the {layout.dp // layout.ep} ranks holding the same experts")
-    if layout.pp > 1 and layout.per_rank > 1:
-        notes.append(f"{layout.pipeline_schedule}: {layout.per_rank} stages per rank; "
-                     "the bubble is "
-                     f"{bubble_share(layout.pipeline_schedule, layout.per_rank):.2g} of "
-                     "1F1B's")
-    return tuple(notes)
+                      layout_notes(layout, units), model_flops)
 
 
 def _stage_pieces(mine: range, first: bool, last: bool, layers: _Layers,
@@ -631,7 +593,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
             # DDP broadcasts the buffers in a forward that follows a synchronised backward:
             # once per step (the first micro-step's; no_sync skips the others)
             comm[("broadcast", "dp", layout.dp * layout.cp, model_buffers)] += 1
-    if experts and layout.dp > layout.ep:
+    if experts and layout.dp > layout.ep and not units.extra.get("experts_sharded"):
         # reduce_gradients: each expert's gradient over the ranks holding the same experts
         comm[("all_reduce", "ep_replicas", layout.dp // layout.ep, experts)] += 1
     if cross is not None:

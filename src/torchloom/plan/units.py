@@ -278,14 +278,16 @@ def _expert_params(model: nn.Module) -> list[nn.Parameter]:
 def _fully_shard(model: nn.Module, spec: ModelSpec, mesh: Any, key: UnitKey) -> None:
     """FSDP2 as :func:`torchloom.parallelize` applies it: each layer, then the root, over
     the mesh's FSDP2 dimension(s), with the layout's mixed-precision policy; the experts
-    of expert parallelism left whole."""
-    from ..parallel.parallelize import mp_policy
+    of expert parallelism sharded over the ranks holding the same experts, or left whole
+    where no other rank holds them (as :func:`torchloom.parallelize`)."""
+    from ..parallel.parallelize import mp_policy, shard_experts
     from ..runtime.parallel import fully_shard_model
 
     layers: Any = model.get_submodule(spec.layers)
     units = [f"{spec.layers}.{i}" for i in range(len(layers))]
-    fully_shard_model(model, mesh, units, mp_policy=mp_policy(key.layout()),
-                      ignored=set(_expert_params(model)) or None)
+    policy = mp_policy(key.layout())
+    whole = shard_experts(model, mesh, policy)
+    fully_shard_model(model, mesh, units, mp_policy=policy, ignored=whole or None)
 
 
 def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
@@ -304,6 +306,8 @@ def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
         out[mesh.shard_group().group_name] = "dp"
     if key.ep > 1:
         out[mesh.group("ep").group_name] = "ep"
+        if mesh.group("ep_replicas") is not None:
+            out[mesh.group("ep_replicas").group_name] = "ep_replicas"
     return out
 
 
@@ -386,7 +390,12 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         if key.fsdp > 1:
             _fully_shard(model, spec, mesh, key)
-            before = dict(model.named_parameters())
+            # to_empty may swap a parameter's contents in place (its attributes too): the
+            # metadata is kept on stand-ins
+            before = {}
+            for name, p in model.named_parameters():
+                before[name] = torch.empty(0)
+                copy_meta(p, before[name])
             with mode:
                 model.to_empty(device="cpu")
             for name, p in model.named_parameters():  # shard specs the hooks read
@@ -405,7 +414,9 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         # the bytes of a layer's experts (split by ep, left whole by FSDP2): their
         # gradients are averaged over the ranks holding the same experts, not by DDP
         # or FSDP2
-        units.extra["expert_params"] = sum(_nbytes(p) for p in _expert_params(layers[depth - 1]))
+        mine = _expert_params(layers[depth - 1])
+        units.extra["expert_params"] = sum(_nbytes(p) for p in mine)
+        units.extra["experts_sharded"] = any(hasattr(p, "to_local") for p in mine)
         return units
 
 

@@ -134,8 +134,8 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
         return _run_local(forward, module, rows, local_ids, weights.dtype)
 
     if imbalance is not None and is_fake(hidden_states):  # the planner's measurement
-        out = modeled_dispatch(run_local, x, index, weights, state, imbalance)
-        return out.to(hidden_states.dtype).reshape(shape)
+        out = modeled_dispatch(run_local, x, index, weights, state, imbalance, shape)
+        return out.to(hidden_states.dtype)
     k, experts = index.shape[1], state.num_experts
     flat = index.reshape(-1)
     valid = (flat >= 0) & (flat < experts)
@@ -161,9 +161,11 @@ def dispatch(forward: Callable[..., torch.Tensor], module: nn.Module,
     out = run_local(rows, local_ids)
     back = C.all_to_all(out, recv, send, state.group)
     contrib = back * weights.reshape(-1).index_select(0, order)[:, None].to(back.dtype)
-    result = torch.zeros(x.shape, dtype=contrib.dtype, device=x.device)
-    result = result.index_add(0, tokens, contrib)
-    return result.to(hidden_states.dtype).reshape(shape)
+    # summed into a tensor of the input's shape (not a view: FSDP2 warns of a module that
+    # returns one, since an in-place op on it would skip its backward hook)
+    result = torch.zeros(shape, dtype=contrib.dtype, device=x.device)
+    result.view(-1, shape[-1]).index_add_(0, tokens, contrib)
+    return result.to(hidden_states.dtype)
 
 
 def _run_local(forward: Callable[..., torch.Tensor], module: nn.Module, rows: torch.Tensor,

@@ -67,10 +67,11 @@ def _even(total: int, parts: int) -> list[int]:
 
 def modeled_dispatch(run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                     state: EPState, imbalance: float) -> torch.Tensor:
+                     state: EPState, imbalance: float, shape: torch.Size) -> torch.Tensor:
     """The expert-parallel output of ``x`` (tokens x hidden) routed by ``index`` /
-    ``weights`` (tokens x k) under the routing model; ``run_local(rows, local_ids)`` runs
-    the module's forward on the rows this rank received."""
+    ``weights`` (tokens x k) under the routing model, in ``shape`` (the input's);
+    ``run_local(rows, local_ids)`` runs the module's forward on the rows this rank
+    received."""
     n, k = index.shape
     sent = n * k
     received = max(1, round(sent * imbalance))
@@ -85,7 +86,8 @@ def modeled_dispatch(run_local: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     out = run_local(rows, local_ids)
     back = C.all_to_all(out, recv, send, state.group)
     contrib = back * weights.reshape(-1)[:, None].to(back.dtype)
-    result = torch.zeros(x.shape, dtype=contrib.dtype, device=x.device)
-    return result.index_add(0, tokens, contrib)
+    result = torch.zeros(shape, dtype=contrib.dtype, device=x.device)
+    result.view(-1, x.shape[-1]).index_add_(0, tokens, contrib)
+    return result
 
 

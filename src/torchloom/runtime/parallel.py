@@ -138,5 +138,8 @@ def wrap_data_parallel(model: nn.Module, target: str | None, mesh: Any,
 
         group = (dp_mesh.group(dp_mesh.grad_view) if isinstance(dp_mesh, Mesh) else
                  dp_mesh.get_group() if dp_mesh is not None else None)
-        return DistributedDataParallel(model, process_group=group)
+        # find_unused_parameters: a parameter that gets no gradient in a step (a vision
+        # tower on a text batch, an expert no token was routed to) would otherwise stop DDP
+        # from reducing the buckets after it, leaving each rank's own gradients there
+        return DistributedDataParallel(model, process_group=group, find_unused_parameters=True)
     return fully_shard_model(model, dp_mesh, fsdp_units)
