@@ -213,10 +213,18 @@ def test_refuses_other_calls():
     model = Block()
     tl.create_schedule(model)["experts"].expert_parallel()
     x = torch.randn(3, 6)
-    with pytest.raises(ExpertParallelError, match="called with more than the routing "
-                       "arguments") as err:
+    with pytest.raises(ExpertParallelError) as err:
         model.experts(x, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2), "extra")
-    assert "train this model without it (ep=1)" in str(err.value)
+    assert str(err.value) == (
+        "sch['experts'].expert_parallel(...): the experts module was called with other "
+        "arguments than the routing ones\n"
+        "    values: positional=4, keywords=[], routing=['top_k_index', 'top_k_weights']\n"
+        "    fix: expert parallelism dispatches (hidden_states, top_k_index, top_k_weights) "
+        "only; train this model without it (ep=1)")
+    # the routing arguments by name are the same call
+    ids, w = torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
+    torch.testing.assert_close(model.experts(x, top_k_index=ids, top_k_weights=w),
+                               model.experts(x, ids, w))
     with pytest.raises(ExpertParallelError, match="routing tensors of unexpected shapes") as err:
         model.experts(x, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 1))
     assert "top_k_weights=(3, 1)" in str(err.value)
@@ -242,3 +250,26 @@ def test_layout_expert_parallel_rules():
     # inside a pipeline: each stage's experts over the stage's data-parallel ranks
     assert Layout(dp_replicate=2, ep=2, pp=2, n_microbatches=2).describe() == \
         "tp1 ep2 pp2(1F1B x2) dp2(ddp) mb1 ckpt0 fp32"
+
+
+def test_gpt_oss_routing_names():
+    """gpt-oss calls its experts with (hidden_states, router_indices, routing_weights): the
+    same (tokens, k) ids and weights under other names, found and dispatched alike."""
+    from torchloom.primitives.expert_parallel import experts_modules
+
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         vocab_size=64, num_local_experts=4, num_experts_per_tok=2)
+    model = T.GptOssForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    before = model(ids).logits
+    tl.create_schedule(model).expert_parallel()
+    assert [n for n, _ in experts_modules(model)] == ["model.layers.0.mlp.experts",
+                                                      "model.layers.1.mlp.experts"]
+    torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-6)
+    experts = model.model.layers[0].mlp.experts
+    x, w = torch.randn(3, 32), torch.rand(3, 2)
+    idx = torch.randint(0, 4, (3, 2))
+    torch.testing.assert_close(experts(x, router_indices=idx, routing_weights=w),
+                               experts(x, idx, w))

@@ -80,16 +80,28 @@ if TYPE_CHECKING:
 NAME = "expert_parallel"
 ROUTING = ("hidden_states", "top_k_index", "top_k_weights")
 """The arguments transformers' mixture-of-experts blocks call their experts module with."""
+ROUTING_ALIASES = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"))
+"""The names the (tokens, k) expert ids and routing weights go by after the hidden states
+(gpt-oss calls them ``router_indices`` and ``routing_weights``), in that order."""
 
 __all__ = ["NAME", "ROUTING", "apply", "experts_modules", "num_experts_of"]
 
 
-def _takes_routing(module: nn.Module) -> bool:
+def _routing_names(module: nn.Module) -> tuple[str, str] | None:
+    """The names of the module's routing arguments (one of :data:`ROUTING_ALIASES`), if
+    its forward takes ``(hidden_states, ids, weights)``."""
     try:
         params = list(inspect.signature(type(module).forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return tuple(params[1:4]) == ROUTING
+        return None
+    if params[1:2] != ["hidden_states"]:
+        return None
+    pair = tuple(params[2:4])
+    return pair if pair in ROUTING_ALIASES else None  # type: ignore[return-value]
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    return _routing_names(module) is not None
 
 
 def num_experts_of(module: nn.Module) -> int | None:
@@ -155,18 +167,24 @@ class _Dispatching:
 
     def __init__(self, module: nn.Module, forward: Any, state: EPState) -> None:
         self.module, self.forward, self.state = module, forward, state
+        self.names = _routing_names(module) or ROUTING[1:]
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs:
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        values = list(args)
+        for name in self.names[len(values):]:
+            if name in kwargs:
+                values.append(kwargs.pop(name))
+        if len(values) != 2 or kwargs:
             raise ExpertParallelError(
-                "the experts module was called with more than the routing arguments",
+                "the experts module was called with other arguments than the routing ones",
                 path=self.state.path, primitive=NAME,
-                values={"extra_args": len(args), "extra_kwargs": sorted(kwargs)},
-                fix="expert parallelism dispatches (hidden_states, top_k_index, "
-                "top_k_weights) only; train this model without it (ep=1)")
-        return dispatch(self.forward, self.module, hidden_states, top_k_index,
-                        top_k_weights, self.state)
+                values={"positional": 1 + len(args), "keywords": sorted(kwargs),
+                        "routing": list(self.names)},
+                fix=f"expert parallelism dispatches (hidden_states, {', '.join(self.names)})"
+                " only; train this model without it (ep=1)")
+        return dispatch(self.forward, self.module, hidden_states, values[0], values[1],
+                        self.state)
 
 
 def _fail(sch: Schedule, what: str, values: dict[str, Any], fix: str) -> ExpertParallelError:
