@@ -97,7 +97,7 @@ def _routing_names(module: nn.Module) -> tuple[str, str] | None:
     if params[1:2] != ["hidden_states"]:
         return None
     pair = tuple(params[2:4])
-    return pair if pair in ROUTING_ALIASES else None  # type: ignore[return-value]
+    return pair if pair in ROUTING_ALIASES else None
 
 
 def _takes_routing(module: nn.Module) -> bool:
