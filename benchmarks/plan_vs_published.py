@@ -45,10 +45,11 @@ from typing import Any
 import torch
 import transformers
 
-from torchloom.core.errors import LayoutError
+from torchloom.core.errors import PlanError
 from torchloom.core.rules import even_cuts
 from torchloom.parallel.layout import Layout
 from torchloom.plan import predict
+from torchloom.plan.layout import check_model
 from torchloom.plan.spec import model_spec
 
 GIB = 2**30
@@ -175,8 +176,9 @@ def evaluate(rows: list[Row], root: str, profile: str = "h100-96gb") -> list[dic
                                 "gpus": row.gpus, "published_tps": row.tps,
                                 "published_gib": row.gib}
         try:
-            row.layout()
-        except LayoutError as exc:  # context parallelism inside a pipeline
+            spec0 = model_spec(config_dir(row.model, root), seq_len=row.seq_len)
+            check_model(row.layout(), spec0)
+        except PlanError as exc:  # context parallelism inside a pipeline: not modelled
             item["status"] = f"not predicted: {str(exc).splitlines()[0]}"
             out.append(item)
             continue

@@ -164,8 +164,9 @@ def test_layout_checks_context_parallelism():
     with pytest.raises(LayoutError, match=r"split again by sequence parallelism: seq_len must "
                        r"be a multiple of 2 x cp x tp = 8(.|\n)*fix: seq_len=40"):
         tl.Layout(cp=2, tp=2, sp=True, seq_len=36)
-    with pytest.raises(LayoutError, match=r"context parallelism inside a pipeline is not built"):
-        tl.Layout(cp=2, pp=2, n_microbatches=2, seq_len=64)
+    # inside a pipeline: each stage's sequences split over its context-parallel ranks
+    assert tl.Layout(cp=2, pp=2, n_microbatches=2, seq_len=64).describe() == \
+        "tp1 cp2 pp2(1F1B x2) dp1(ddp) mb1 ckpt0 fp32"
 
 
 def test_train_with_cp_on_too_few_ranks_says_the_launch_to_use():

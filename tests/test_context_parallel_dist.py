@@ -221,10 +221,40 @@ def _check_cp_with_fsdp(rank: int) -> None:
         torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
 
 
+def _check_cp_in_pipeline(root: str, rank: int) -> None:
+    """pp 2 x cp 2: each stage's sequences split over its two context-parallel ranks (the
+    first stage given this rank's positions and their position ids, the last computing
+    the loss of the whole sequences' shifted targets, summed over the group). It trains
+    as pp 2 x dp 2 on the same batch (losses, evaluation, the gradient norm clipped), and
+    its checkpoint resumes at pp 2 x dp 2."""
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    common = dict(model="llama", steps=4, batch_size=4, seq_len=32, progress=False, pp=2,
+                  n_microbatches=2, clip_grad=0.05, eval_every=2, save_every=2)
+    cp = train_rank(rank, TrainConfig(cp=2, save_dir=os.path.join(root, "cp"), **common))
+    dp = train_rank(rank, TrainConfig(dp=2, save_dir=os.path.join(root, "dp"), **common))
+    torch.testing.assert_close(torch.tensor(cp["losses"]), torch.tensor(dp["losses"]),
+                               rtol=1e-5, atol=0)
+    assert cp["eval_losses"].keys() == dp["eval_losses"].keys() == {2, 4}
+    for step, value in cp["eval_losses"].items():
+        torch.testing.assert_close(torch.tensor(value), torch.tensor(dp["eval_losses"][step]),
+                                   rtol=1e-5, atol=0)
+    dist.barrier()
+    if rank == 0:  # as if the cp run had stopped after step 2
+        shutil.rmtree(os.path.join(root, "cp", "step-4"))
+    dist.barrier()
+    resumed = train_rank(rank, TrainConfig(dp=2, resume=True, save_dir=os.path.join(root, "cp"),
+                                           **common))
+    assert resumed["first_step"] == 3
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(cp["losses"][2:]),
+                               rtol=1e-5, atol=0)
+
+
 def test_context_parallel_on_two_ranks(tmp_path):
     spawn(_check_cp_alone, _check_families, _check_verify, _check_cp_refusals, _check_train,
           functools.partial(_check_resume, str(tmp_path)), timeout_s=300)
 
 
-def test_context_parallel_on_four_ranks():
-    spawn(_check_cp_with_tp, _check_cp_with_fsdp, world=4, timeout_s=300)
+def test_context_parallel_on_four_ranks(tmp_path):
+    spawn(_check_cp_with_tp, _check_cp_with_fsdp,
+          functools.partial(_check_cp_in_pipeline, str(tmp_path)), world=4, timeout_s=300)

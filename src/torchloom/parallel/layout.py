@@ -16,7 +16,8 @@ the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` mak
   chunk pairs, :mod:`torchloom.primitives.context_parallel`); they hold the same
   parameters, so gradients are averaged over ``dp_replicate x dp_shard x cp`` and FSDP2
   shards over ``dp_shard x cp`` (torchtitan's layout); ``seq_len`` must be a multiple of
-  ``2 cp`` (``2 cp tp`` with sequence parallelism); not inside a pipeline yet;
+  ``2 cp`` (``2 cp tp`` with sequence parallelism); inside a pipeline, each stage's
+  sequences are split over its context-parallel ranks;
 * ``ep`` expert-parallel ranks, folded into the data-parallel ones (torchtitan's layout;
   they add no ranks): each group of ``ep`` consecutive data-parallel ranks (inside one
   HSDP replica: ``ep`` divides ``dp_shard``, or ``dp_replicate`` without FSDP2) splits
@@ -315,10 +316,6 @@ class Layout:
                             "expert parallelism")
 
     def _check_cp(self) -> None:
-        if self.pp > 1:
-            raise _fail("context parallelism inside a pipeline is not built yet",
-                        {"cp": self.cp, "pp": self.pp},
-                        f"Layout(cp={self.cp}, pp=1), or pp={self.pp} without context parallelism")
         unit = 2 * self.cp * (self.tp if self.sp else 1)
         if self.seq_len % unit:
             what = f"2 x cp x tp = {unit}" if self.sp and self.tp > 1 else f"2 x cp = {unit}"

@@ -77,7 +77,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import LayoutError, ModelSizeError
-from ..core.marks import CHECKPOINTED, has_mark
+from ..core.marks import CHECKPOINTED, CONTEXT_PARALLEL, get_mark, has_mark
 from ..core.meta import shard_spec
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
@@ -92,6 +92,11 @@ from ..runtime.expert_dispatch import expert_gradients
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
 from ..schedules._common import loss_parallel_head, node_at
+from .context_pipeline import (
+    ContextParallelLoss,
+    ContextParallelPipeline,
+    local_inputs,
+)
 from .layout import Layout
 from .mesh import PIECES
 
@@ -158,7 +163,13 @@ class Parallelized:
     def next_token_loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The loss of ``(logits, input_ids)`` (each position predicts the next token) for
         the logits this build makes: :func:`torchloom.ops.loss.next_token_loss` of
-        :attr:`loss` over :attr:`loss_group` (a pipeline's last stage computes it)."""
+        :attr:`loss` over :attr:`loss_group` (a pipeline's last stage computes it); a
+        context-parallel pipeline's takes this rank's logits and the whole sequences'
+        targets (:class:`~torchloom.parallel.context_pipeline.ContextParallelLoss`)."""
+        state = next((get_mark(m, CONTEXT_PARALLEL) for m in self.schedule.mod.modules()
+                      if has_mark(m, CONTEXT_PARALLEL)), None) if self.layout.cp > 1 else None
+        if state is not None and self.layout.pp > 1:
+            return ContextParallelLoss(self.loss, self.loss_group, state)
         return next_token_loss(self.loss, self.loss_group)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -202,9 +213,11 @@ class Parallelized:
             for p in mine:  # FSDP2's shards: averaged over the ep replicas in backward
                 if hasattr(p, "to_local") and p.grad is not None:
                     p.grad.div_(self.layout.ep)
-        if self.layout.pp == 1 or self.fsdp or self.layout.dp == 1:
+        if self.layout.pp == 1 or self.fsdp or self.layout.dp * self.layout.cp == 1:
             return
-        group = self.mesh.group("dp")
+        # the data-parallel replicas, and the context-parallel ranks of each
+        cp = self.layout.cp
+        group = self.mesh.group("dp_cp" if cp > 1 else "dp")
         experts = {id(p) for p in self.expert_parameters()}
         for p in self.parameters():
             if id(p) in experts:
@@ -213,7 +226,7 @@ class Parallelized:
                 p.grad = torch.zeros_like(p)
             with guard_collective("all_reduce", _PRIMITIVE, group):
                 dist.all_reduce(p.grad, group=group)
-            p.grad.div_(self.layout.dp)
+            p.grad.div_(self.layout.dp * cp)
 
 
 @contextlib.contextmanager
@@ -447,6 +460,10 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
                         "parallelize(sch, layout, example_inputs={'input_ids': ids})")
         if loss_fn is None:  # the layout's next-token loss, on the logits this build makes
             loss_fn = done.next_token_loss
+        cp_state = get_mark(root.mod, CONTEXT_PARALLEL) if layout.cp > 1 else None
+        if cp_state is not None:  # the first stage takes this rank's positions and ids
+            local, positions = local_inputs(example_inputs["input_ids"], cp_state)
+            example_inputs = {"input_ids": local, "position_ids": positions}
         done.cut_after = _cut(sch, layout, done.stacks, example_inputs)
         done.groups["pipeline"] = PIECES["pipeline"]
     # 4. activation checkpointing
@@ -470,12 +487,17 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         if layout.dp_shard > 1:
             def wrapper(stage: nn.Module) -> nn.Module:
                 return _shard_stage(stage, mesh, policy, done)
-        micro = example_inputs["input_ids"] if example_inputs else None
+        micro: tuple[Any, ...] | dict[str, Any] = \
+            (example_inputs["input_ids"],) if example_inputs else ()
+        if cp_state is not None and example_inputs:
+            micro = dict(example_inputs)  # input_ids and position_ids
         pipe, _ = build(sch, target="pipeline", mesh=mesh, schedule=layout.pipeline_schedule,
                         n_microbatches=layout.micro_steps, loss_fn=loss_fn,
-                        example_inputs=(micro,), device=device, weights=weights,
+                        example_inputs=micro, device=device, weights=weights,
                         strict=strict, stage_wrapper=wrapper)
         done.model = done.module = pipe
+        if cp_state is not None:
+            done.model = ContextParallelPipeline(pipe, cp_state)
         done.ties = {id(p): dist.get_world_size(g) for p, g in pipe.ties}
         return done
     # context-parallel ranks average their gradients too (DDP over dp x cp when no FSDP2)

@@ -589,6 +589,11 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     if ddp:
         # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
         comm[("all_reduce", "dp", layout.dp * layout.cp, grads - experts)] += 1
+        if pp == 1:
+            # find_unused_parameters: DDP also all-reduces which parameters the step used
+            # (an int32 per parameter tensor it manages; the experts are not among them)
+            managed = tensors - len(mine) * units.extra.get("expert_tensors", 0)
+            comm[("all_reduce", "dp", layout.dp * layout.cp, 4 * managed)] += 1
         if pp == 1 and model_buffers:
             # DDP broadcasts the buffers in a forward that follows a synchronised backward:
             # once per step (the first micro-step's; no_sync skips the others)

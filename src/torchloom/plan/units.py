@@ -417,6 +417,7 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         mine = _expert_params(layers[depth - 1])
         units.extra["expert_params"] = sum(_nbytes(p) for p in mine)
         units.extra["experts_sharded"] = any(hasattr(p, "to_local") for p in mine)
+        units.extra["expert_tensors"] = len(mine)
         return units
 
 

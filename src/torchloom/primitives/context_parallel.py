@@ -42,8 +42,8 @@ Preconditions:
       ``attn_implementation="sdpa"`` support: Llama, Mistral, Qwen2/3, Gemma, Phi-3,
       Mixtral, ...); a model without one, or whose attention was replaced by a module
       that does not call it, is refused;
-    * not applied already; no pipeline cut inside (pipelines with context parallelism are
-      not built);
+    * not applied already; no pipeline cut yet (a pipeline with context parallelism is
+      :func:`torchloom.parallelize`'s: :mod:`torchloom.parallel.context_pipeline`);
     * at run time: the sequence length is a multiple of ``2 cp``; no 4-D mask; no KV
       cache with past positions; attention without soft-capping or sinks (Gemma 2,
       gpt-oss: refused when called).
@@ -137,9 +137,12 @@ def _check(sch: Schedule) -> list[tuple[str, nn.Module]]:
                     "parallelism")
     cuts = [name for name, m in model.named_modules() if has_mark(m, PIPELINE_CUT)]
     if cuts:
-        raise _fail(sch, "the model is cut into pipeline stages: context parallelism inside a "
-                    "pipeline is not built", {"cuts": cuts[:4]},
-                    "use context parallelism without a pipeline (pp=1)")
+        raise _fail(sch, "the model is already cut into pipeline stages: its inputs would "
+                    "be split inside the first stage's graph, which a pipeline runs without "
+                    "this primitive's input hook", {"cuts": cuts[:4]},
+                    "apply context_parallel before cutting and let torchloom.parallelize "
+                    "build the pipeline (Layout(pp=..., cp=...)): it hands the first stage "
+                    "each rank's positions")
     return found
 
 

@@ -184,6 +184,8 @@ def _record(name: str) -> None:
 
 def _all_reduce(x: torch.Tensor, group: Any, site: Site | None, phase: str = "") -> torch.Tensor:
     x = x.contiguous().clone()
+    if x.is_meta:  # shapes only
+        return x
     _record("all_reduce")
     with _guard("all_reduce" + phase, group, site):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
@@ -198,6 +200,8 @@ def all_reduce_raw(x: torch.Tensor, group: Any = None) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, axis: int, group: Any, site: Site | None,
                 phase: str = "") -> torch.Tensor:
     x = x.contiguous()
+    if x.is_meta:  # shapes only (a model traced on meta values): nothing to exchange
+        return torch.cat([x] * group_size(group), dim=axis)
     _record("all_gather")
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     with _guard("all_gather" + phase, group, site):
@@ -237,6 +241,8 @@ def _reduce_scatter(x: torch.Tensor, axis: int, group: Any, site: Site | None,
     size = _check_divides(x, axis, group, site)
     moved = x.movedim(axis, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    if x.is_meta:  # shapes only
+        return out.movedim(0, axis).contiguous()
     _record("reduce_scatter")
     with _guard("reduce_scatter" + phase, group, site):
         _REDUCE_SCATTER(out, moved, op=dist.ReduceOp.SUM, group=group)

@@ -345,13 +345,15 @@ class PipelineModel(nn.Module):
         ignore them)."""
         return len(self.stages) != 1 or self.stages[0].is_first
 
-    def step(self, *inputs: Any, target: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step(self, *inputs: Any, target: torch.Tensor | None = None,
+             **kwargs: Any) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
-        inputs = inputs if self._takes_inputs() else ()
+        if not self._takes_inputs():
+            inputs, kwargs = (), {}
         if self.is_last:
-            self.schedule.step(*inputs, target=target, losses=losses)
+            self.schedule.step(*inputs, target=target, losses=losses, **kwargs)
         else:
-            self.schedule.step(*inputs)
+            self.schedule.step(*inputs, **kwargs)
         # the mean over the micro-batches: each parameter once, also one that two of this
         # rank's stages share (a tied weight in ZBVZeroBubble's V)
         n = self.n_microbatches
