@@ -184,7 +184,10 @@ def test_data_parallel_bytes_are_the_gradients():
     model = zoo.make_model("gpt2")
     grads = sum(p.numel() * 4 for p in model.parameters())
     ddp = predict("gpt2", Layout(dp_replicate=2, micro_batch=2, seq_len=SEQ))
-    assert ddp.roles[0].collective_bytes() == {("all_reduce", "dp"): grads}
+    # and DDP's map of the parameters the step used (find_unused_parameters): an int32
+    # per parameter tensor
+    used_map = 4 * len(list(model.parameters()))
+    assert ddp.roles[0].collective_bytes() == {("all_reduce", "dp"): grads + used_map}
     fsdp = predict("gpt2", Layout(dp_shard=2, micro_batch=2, seq_len=SEQ))
     got = fsdp.roles[0].collective_bytes()
     # FSDP2 gathers every layer twice (forward, backward) and the root once, and

@@ -10,7 +10,6 @@ import pytest
 from typer.testing import CliRunner
 
 from torchloom.apps.plan_cli import app
-from torchloom.core.errors import PlanError
 from torchloom.plan import Layout, predict
 from torchloom.plan.predict import causal_share
 from torchloom.plan.spec import model_spec
@@ -73,8 +72,9 @@ def test_prediction_counts_and_times_cp(spec):
     assert totals[("reduce_scatter", "cp")].count == 2 * layers
     assert totals[("all_gather", "cp")].bytes == 2 * layers * _kv_bytes(spec, SEQ)
     assert ("all_reduce", "cp") in totals  # the loss
-    # DDP averages the gradients over dp x cp = 2 ranks
-    assert totals[("all_reduce", "dp")].count == 1
+    # DDP averages the gradients over dp x cp = 2 ranks (and all-reduces its map of the
+    # parameters the step used: find_unused_parameters)
+    assert totals[("all_reduce", "dp")].count == 2
     assert role.ranks == 2 and p.layout.world == 2
     # each sequence is counted once: tokens per step are the layout's
     assert p.tokens_per_s == pytest.approx(SEQ / p.step_time)
@@ -91,14 +91,18 @@ def test_fsdp_shards_over_dp_shard_times_cp(spec):
     assert cp.optimizer == pytest.approx(base.optimizer / 4, rel=0.01)
 
 
-def test_pipeline_with_cp_refused(spec):
-    # parallelize builds it; the planner does not model it yet and says so
-    with pytest.raises(PlanError) as err:
-        predict(spec, Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ), "h100-80gb")
-    assert str(err.value) == (
-        "plan(...): the planner does not model context parallelism inside a pipeline yet "
-        "(torchloom.parallelize builds it)\n    values: cp=2, pp=2\n"
-        "    fix: plan cp=2 with pp=1, or pp=2 with cp=1")
+def test_pipeline_with_cp(spec):
+    """Each stage's sequences split over its cp ranks: every stage gathers K / V over cp,
+    the stages exchange seq_len / cp positions, the last sums the loss over cp."""
+    base = predict(spec, Layout(pp=2, n_microbatches=2, seq_len=SEQ), "h100-80gb")
+    p = predict(spec, Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ), "h100-80gb")
+    for plain, role in zip(base.roles, p.roles):
+        kinds = {(c.kind, c.group): c for c in role.collectives}
+        assert kinds[("all_gather", "cp")].count == 2 * 2 * role.layers  # K, V, 2 micro
+        plain_send = {(c.kind, c.group): c for c in plain.collectives}[("send", "pp")]
+        assert kinds[("send", "pp")].bytes * 2 == plain_send.bytes  # half the positions
+        assert role.memory.activations < plain.memory.activations
+    assert ("all_reduce", "cp") in {(c.kind, c.group) for c in p.roles[-1].collectives}
 
 
 def test_cli_cp(tmp_path):

@@ -55,6 +55,9 @@ def test_four_ranks_composed_layouts():
         ("llama", Layout(tp=2, pp=2, n_microbatches=2, micro_batch=2, seq_len=SEQ,
                          pipeline_schedule="GPipe")),
         ("llama", Layout(pp=2, dp_replicate=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
+        # context parallelism inside the pipeline: K / V gathers, the loss summed over cp,
+        # the gradients averaged over dp x cp
+        ("llama", Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ)),
     ])
 
 

@@ -44,6 +44,11 @@ def spec(folders):
     return model_spec(str(folders / "mixtral"), seq_len=SEQ)
 
 
+def _meta_model(spec):
+    with torch.device("meta"):
+        return T.MixtralForCausalLM(spec.config)
+
+
 def _expert_bytes(spec) -> int:
     """One layer's experts (fp32), from the config: gate_up (E, 2I, H) and down (E, H, I)."""
     c = spec.config
@@ -96,7 +101,11 @@ def test_prediction_memory_and_collectives(spec):
         assert totals[("all_to_all", "ep")].count == 5 * L
         # DDP averages the rest; the experts are averaged over the ranks that share them
         # (none at ep 4 = dp 4)
-        assert totals[("all_reduce", "dp")].bytes == role.memory.gradients - L * experts // ep
+        # (and DDP's int32 map of the parameter tensors the step used, experts not among
+        # them: find_unused_parameters)
+        used_map = totals[("all_reduce", "dp")].bytes - (role.memory.gradients
+                                                         - L * experts // ep)
+        assert used_map == 4 * (len(list(_meta_model(spec).parameters())) - 2 * L)
         if ep == 2:
             assert totals[("all_reduce", "ep_replicas")].bytes == L * experts // 2
         else:

@@ -56,10 +56,6 @@ def check_model(layout: Layout, spec: ModelSpec) -> None:
     expert parallelism cannot share (none declared by the config, or a number ``ep`` does
     not divide)."""
     layout.check_layers(spec.num_layers)
-    if layout.cp > 1 and layout.pp > 1:
-        raise _fail("the planner does not model context parallelism inside a pipeline yet "
-                    "(torchloom.parallelize builds it)", {"cp": layout.cp, "pp": layout.pp},
-                    f"plan cp={layout.cp} with pp=1, or pp={layout.pp} with cp=1")
     if layout.ep > 1:
         experts = spec.attr("num_local_experts", "num_experts", "n_routed_experts")
         if not isinstance(experts, int) or experts < 2:

@@ -25,7 +25,7 @@ What the composition models beyond the measured pieces:
   wraps them), every layer under ``ac="full"``; ``ac="op"`` (op-level selective,
   torchtitan's policy: ``checkpoint(policy="op")``) is measured, its checkpointed layers
   run under that policy;
-* **context parallelism** (``cp``, no pipeline): measured with the ``context_parallel``
+* **context parallelism** (``cp``; in a pipeline, each stage's ranks): measured with the ``context_parallel``
   primitive on rank 0 of a fake ``cp`` group (its ``S / cp`` tokens, the K / V
   all-gathers and their reduce-scatters, the saved gathered K / V, the loss all-reduce);
   the causal share of the chunks' attention is :func:`causal_share`; the ``cp``
@@ -128,10 +128,11 @@ def units_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None)
 
 
 def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) -> Crossing:
-    k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, key.seq_len,
-         key.param_dtype)
+    # with context parallelism the stages exchange this rank's seq_len / cp positions
+    seq = key.seq_len // key.cp
+    k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, seq, key.param_dtype)
     if k not in _CROSSINGS:
-        _CROSSINGS[k] = crossing(spec, key, schedule)
+        _CROSSINGS[k] = crossing(spec, dataclasses.replace(key, seq_len=seq, cp=1), schedule)
     return _CROSSINGS[k]
 
 

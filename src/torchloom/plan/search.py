@@ -172,10 +172,10 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
 
 def _cps(cp: int | None, gpus: int, tp: int, pp: int) -> list[int]:
     """The context-parallel degrees to try beside ``tp`` and ``pp`` (``Layout`` refuses
-    the ones the sequence does not split into, and any above 1 under a pipeline)."""
+    the ones the sequence does not split into)."""
     if cp is not None:
         return [cp]
-    if pp > 1 or gpus % (tp * pp):
+    if gpus % (tp * pp):
         return [1]
     return _divisors(gpus // (tp * pp))
 

@@ -409,8 +409,15 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
             from ..ops.loss import set_loss
 
             set_loss(model, loss, group)
-        units = _run(spec, key, model, layers, inputs, mode, groups,
-                     None if key.loss == "model" else pipeline_loss(loss, group))
+        last_loss = None if key.loss == "model" else pipeline_loss(loss, group)
+        if key.loss != "model" and key.cp > 1:
+            # a context-parallel pipeline's last stage: this rank's logits against the
+            # whole sequences' shifted targets, summed over the cp group
+            from ..core.marks import CONTEXT_PARALLEL, get_mark
+            from ..parallel.context_pipeline import ContextParallelLoss
+
+            last_loss = ContextParallelLoss(loss, group, get_mark(model, CONTEXT_PARALLEL))
+        units = _run(spec, key, model, layers, inputs, mode, groups, last_loss)
         # the bytes of a layer's experts (split by ep, left whole by FSDP2): their
         # gradients are averaged over the ranks holding the same experts, not by DDP
         # or FSDP2

@@ -56,17 +56,22 @@ def _model(name: str, size: str, seq_len: int, seed: int) -> torch.nn.Module:
 
 def mesh_labels(layout: Layout, mesh: Any) -> dict[str, str]:
     """Process-group name -> the planner's label of its collectives: ``pp``, ``tp``,
-    ``dp`` (FSDP2's shards, DDP's replicas, every data-parallel rank) and
-    ``dp_replicate`` (HSDP's replicas)."""
+    ``dp`` (FSDP2's shards, DDP's replicas, every data-parallel rank, and with context
+    parallelism the data-parallel x context-parallel ranks a gradient is averaged or
+    sharded over), ``dp_replicate`` (HSDP's replicas) and ``cp``."""
     if mesh is None:
         return {}
     hsdp = layout.dp_mode == "hsdp"
     out: dict[str, str] = {}
     for dim, label in (("pp", "pp"), ("dp", "dp"),
                        ("dp_replicate", "dp_replicate" if hsdp else "dp"),
-                       ("dp_shard", "dp"), ("tp", "tp")):
+                       ("dp_shard", "dp"), ("tp", "tp"), ("cp", "cp")):
         if mesh.size(dim) > 1:
             out[mesh.group(dim).group_name] = label
+    if layout.cp > 1:
+        out[mesh.group("dp_cp").group_name] = "dp"
+        if layout.dp_shard > 1:
+            out[mesh.shard_group().group_name] = "dp"
     return out
 
 
@@ -139,7 +144,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
                             knobs=config.get("knobs"))
         built = done.model
         if lay.pp > 1:
-            for _, group in built.ties:
+            for _, group in done.module.ties:  # the pipeline (under a cp wrapper)
                 groups[group.group_name] = "tie"
             tracker.groups = groups
         record = {"checkpointed": list(done.checkpointed), "cut_after": list(done.cut_after),
