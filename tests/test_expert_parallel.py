@@ -244,9 +244,9 @@ def test_layout_expert_parallel_rules():
         "    fix: Layout(dp_shard=4, ep=4), or dp_shard a multiple of 3")
     with pytest.raises(LayoutError, match=r"of dp_shard = 2, inside one HSDP replica"):
         Layout(dp_replicate=2, dp_shard=2, ep=4)
-    with pytest.raises(LayoutError, match="expert parallelism with context parallelism is not "
-                       "built yet"):
-        Layout(dp_replicate=2, ep=2, cp=2)
+    # with context parallelism: ep groups of each context-parallel position
+    assert Layout(dp_replicate=2, ep=2, cp=2, seq_len=16).describe() == \
+        "tp1 cp2 ep2 dp2(ddp) mb1 ckpt0 fp32"
     # inside a pipeline: each stage's experts over the stage's data-parallel ranks
     assert Layout(dp_replicate=2, ep=2, pp=2, n_microbatches=2).describe() == \
         "tp1 ep2 pp2(1F1B x2) dp2(ddp) mb1 ckpt0 fp32"

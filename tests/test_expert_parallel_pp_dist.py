@@ -5,7 +5,8 @@ the same pipeline without expert parallelism (fp32: the dispatch adds each token
 experts in the single-process order, so the losses agree within 1e-5 relative, with the
 gradient norm clipped); the checkpoint of the expert-parallel run resumes at ep 1. In the
 same launch, ``--dp 4 --dp-mode fsdp --ep 2`` (the experts FSDP2-sharded over the ranks
-that share them) equals ``--dp 4 --dp-mode fsdp``.
+that share them) equals ``--dp 4 --dp-mode fsdp``, and ``--dp 2 --cp 2 --ep 2`` equals
+``--dp 2 --cp 2``.
 """
 
 from __future__ import annotations
@@ -103,8 +104,26 @@ def _train_fsdp4(root: str, rank: int) -> None:
                                rtol=1e-5, atol=0)
 
 
+def _train_with_cp(root: str, rank: int) -> None:
+    """``--dp 2 --cp 2 --ep 2``: each context-parallel position's two data-parallel ranks
+    split the experts (every rank routes its own positions of its sequences); it trains as
+    ``--dp 2 --cp 2`` (the experts' gradients averaged over the data-parallel and
+    context-parallel ranks that hold them, the gradient norm clipped)."""
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    common = dict(model=os.path.join(root, "mixtral"), steps=3, batch_size=4, seq_len=16,
+                  progress=False, dp=2, cp=2, clip_grad=0.05)
+    with count_collectives() as counts:
+        ep = train_rank(rank, TrainConfig(ep=2, save_dir=os.path.join(root, "c-ep"), **common))
+    assert counts["all_to_all"] > 0, dict(counts)
+    plain = train_rank(rank, TrainConfig(save_dir=os.path.join(root, "c-plain"), **common))
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(plain["losses"]),
+                               rtol=1e-5, atol=0)
+
+
 def test_expert_parallel_inside_a_pipeline(tmp_path) -> None:
     import functools
 
     spawn(_stages_hold_half_of_their_experts, functools.partial(_train, str(tmp_path)),
-          functools.partial(_train_fsdp4, str(tmp_path)), world=4, timeout_s=300)
+          functools.partial(_train_fsdp4, str(tmp_path)),
+          functools.partial(_train_with_cp, str(tmp_path)), world=4, timeout_s=300)

@@ -224,3 +224,18 @@ def test_inside_a_pipeline(spec):
     layouts, _ = enumerate_layouts(spec, 4, batch_size=4, seq_len=SEQ, ep=None, tp=1, pp=2,
                                    micro_batches=(1,), ckpt_ratios=(0.0,))
     assert {lay.ep for lay in layouts} == {1, 2}
+
+
+def test_with_context_parallelism(spec):
+    """ep 2 inside each context-parallel position: half the experts per rank; the experts'
+    gradients all-reduced over the dp x cp / ep = 2 ranks that hold them."""
+    L = spec.num_layers
+    experts = _expert_bytes(spec)
+    base = predict(spec, Layout(dp_replicate=2, cp=2, seq_len=SEQ)).roles[0]
+    p = predict(spec, Layout(dp_replicate=2, cp=2, ep=2, seq_len=SEQ))
+    role = p.roles[0]
+    assert base.memory.parameters - role.memory.parameters == L * experts // 2
+    totals = {(c.kind, c.group): c for c in role.collectives}
+    assert totals[("all_reduce", "ep_replicas")].bytes == L * experts // 2
+    assert {("all_gather", "cp"), ("all_to_all", "ep")} <= set(totals)
+    assert "over the 2 ranks holding the same ones" in p.notes[-1]

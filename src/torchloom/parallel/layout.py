@@ -24,8 +24,8 @@ the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` mak
   every mixture-of-experts module's experts between its ranks and routes each rank's
   tokens to them (:mod:`torchloom.primitives.expert_parallel`); every other weight, and
   the experts across the groups, is data-parallel as before; inside a pipeline, each
-  stage's experts are split over the stage's data-parallel ranks. Not with context
-  parallelism yet;
+  stage's experts are split over the stage's data-parallel ranks; with context
+  parallelism, each context-parallel position has its own ep groups;
 * ``tp`` tensor-parallel ranks (the schedule's Megatron layout), with ``sp`` sequence
   parallelism between their regions. Tensor-parallel ranks are the innermost (adjacent)
   ranks: the most communication stays on the fastest links.
@@ -308,12 +308,6 @@ class Layout:
                         {"ep": self.ep, "dp_replicate": self.dp_replicate,
                          "dp_shard": self.dp_shard},
                         f"{fix}, or {name} a multiple of {self.ep}")
-        for other, value, what in (("cp", self.cp, "context parallelism"),):
-            if value > 1:
-                raise _fail(f"expert parallelism with {what} is not built yet",
-                            {"ep": self.ep, other: value},
-                            f"Layout(ep={self.ep}, {other}=1), or {other}={value} without "
-                            "expert parallelism")
 
     def _check_cp(self) -> None:
         unit = 2 * self.cp * (self.tp if self.sp else 1)

@@ -209,7 +209,9 @@ class Parallelized:
         if self.layout.ep > 1:
             mine = self.expert_parameters()
             whole = [p for p in mine if not hasattr(p, "to_local")]
-            expert_gradients(whole, self.mesh.group("ep_replicas"), self.layout.dp)
+            # over every data-parallel x context-parallel rank, as the rest
+            expert_gradients(whole, self.mesh.group("ep_replicas"),
+                             self.layout.dp * self.layout.cp)
             for p in mine:  # FSDP2's shards: averaged over the ep replicas in backward
                 if hasattr(p, "to_local") and p.grad is not None:
                     p.grad.div_(self.layout.ep)

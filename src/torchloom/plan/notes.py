@@ -47,7 +47,7 @@ def layout_notes(layout: Layout, units: Units) -> tuple[str, ...]:
                      f"over {layout.cp} ranks (not overlapped with compute); {shard}")
     if layout.ep > 1:
         outside = "the layers' FSDP2 units" if fsdp else "DDP"
-        share = layout.dp // layout.ep
+        share = layout.dp * layout.cp // layout.ep
         held = ("every rank holds its experts alone" if share == 1 else
                 f"the experts FSDP2-sharded over the {share} ranks holding the same ones"
                 if units.extra.get("experts_sharded") else

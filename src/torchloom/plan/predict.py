@@ -33,7 +33,7 @@ What the composition models beyond the measured pieces:
   gradients average over
   ``dp x cp`` (DDP), FSDP2 shards over ``dp_shard x cp``;
 * **expert parallelism** (``ep``, folded into the data-parallel ranks, a pipeline
-  stage's too; no ``cp``): measured with the ``expert_parallel`` primitive on rank 0 of a fake ``ep``
+  stage's and each context-parallel position's too): measured with the ``expert_parallel`` primitive on rank 0 of a fake ``ep``
   group, dispatching under
   :func:`~torchloom.runtime.expert_routing_model.modeled_routing` (``imbalance``: the
   busiest rank's share of the routed tokens over the average; the measured rank is that
@@ -370,13 +370,13 @@ def _collectives(comm: Counter, layout: Layout, profile: Profile
     """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel,
     context-parallel (the ``cp`` ranks ``tp`` apart: one node when ``tp x cp`` fits).
     Mesh strides: ``tp`` innermost, then ``cp``, ``dp_shard`` (``dp``), ``dp_replicate``,
-    ``pp``; the ``ep`` ranks are consecutive data-parallel ranks, the ``ep_replicas``
-    every ``ep``-th (their all-to-alls are returned with the context-parallel time: both
+    ``pp``; the ``ep`` ranks are consecutive data-parallel ranks (``tp x cp`` apart), the
+    ``ep_replicas`` every ``ep``-th (their all-to-alls are returned with the context-parallel time: both
     wait in line)."""
     cp = layout.cp
     stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * cp,
               "dp_replicate": layout.tp * layout.dp_shard * cp, "pp": layout.tp * layout.dp * cp,
-              "ep": layout.tp, "ep_replicas": layout.tp * layout.ep}
+              "ep": layout.tp * cp, "ep_replicas": layout.tp * layout.ep * cp}
     if layout.dp_shard == 1 or cp > 1:
         # DDP's replicas (dp x cp) or FSDP2's dp_shard x cp: next to the tp ranks
         stride["dp"] = layout.tp
@@ -599,9 +599,10 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
             # DDP broadcasts the buffers in a forward that follows a synchronised backward:
             # once per step (the first micro-step's; no_sync skips the others)
             comm[("broadcast", "dp", layout.dp * layout.cp, model_buffers)] += 1
-    if experts and layout.dp > layout.ep and not units.extra.get("experts_sharded"):
+    replicas = layout.dp * layout.cp // layout.ep  # the ranks holding the same experts
+    if experts and replicas > 1 and not units.extra.get("experts_sharded"):
         # reduce_gradients: each expert's gradient over the ranks holding the same experts
-        comm[("all_reduce", "ep_replicas", layout.dp // layout.ep, experts)] += 1
+        comm[("all_reduce", "ep_replicas", replicas, experts)] += 1
     if cross is not None:
         for k in stages:
             c_in, f_in, c_out, f_out = sizes[k]

@@ -113,7 +113,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
     layout has no tensor parallelism or no sequence parallelism: they need it); ``cp``: the
     context-parallel degree (None: every valid one, see the module docstring); ``ep``: the
     expert-parallel degree (None: every one that divides the data-parallel ranks, FSDP2's
-    shards under FSDP2, and the model's experts, without ``cp``)."""
+    shards under FSDP2, and the model's experts)."""
     out: list[Layout] = []
     rejected: list[tuple[Layout, str]] = []
     ratios = [0.0] if ac else list(ckpt_ratios)
@@ -147,7 +147,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                         steps: dict[str, Any] = ({"n_microbatches": n} if p > 1
                                                  else {"grad_accum": n})
                         for r, e in [(r, e) for r in ratios
-                                     for e in _eps(ep, spec, p, c, rep, shard)]:
+                                     for e in _eps(ep, spec, rep, shard)]:
                             try:
                                 lay = Layout(tp=t, sp=s, pp=p, cp=c, ep=e, dp_replicate=rep,
                                              dp_shard=shard, **pipe, **steps,
@@ -180,15 +180,14 @@ def _cps(cp: int | None, gpus: int, tp: int, pp: int) -> list[int]:
     return _divisors(gpus // (tp * pp))
 
 
-def _eps(ep: int | None, spec: ModelSpec, pp: int, cp: int, replicate: int,
-         shard: int) -> list[int]:
+def _eps(ep: int | None, spec: ModelSpec, replicate: int, shard: int) -> list[int]:
     """The expert-parallel degrees to try: the one given, or (None) every degree that
     divides the model's experts and the ranks it folds into (FSDP2's shards, else DDP's
-    replicas), without context parallelism."""
+    replicas)."""
     if ep is not None:
         return [ep]
     experts = spec.attr("num_local_experts", "num_experts", "n_routed_experts")
-    if cp > 1 or not isinstance(experts, int) or experts < 2:
+    if not isinstance(experts, int) or experts < 2:
         return [1]
     ranks = shard if shard > 1 else replicate
     return [d for d in _divisors(ranks) if experts % d == 0]

@@ -20,8 +20,8 @@ adjacent, pipeline stages farthest apart), and flattens three more views of it:
 With expert parallelism (``ep``, folded into the data-parallel ranks) it also makes two
 sets of process groups over the ``dp`` view: ``"ep"``, each ``ep`` consecutive
 data-parallel ranks (the ranks one mixture-of-experts module's experts are split
-between), and ``"ep_replicas"``, the data-parallel ranks that hold the same experts
-(every ``ep``-th; what their gradients are averaged over). They are process groups, not
+between), and ``"ep_replicas"``, the data-parallel (and context-parallel) ranks that
+hold the same experts (every ``ep``-th; what their gradients are averaged over). They are process groups, not
 mesh dimensions: :meth:`Mesh.group`, :meth:`Mesh.size` and :meth:`Mesh.local_rank` take
 their names.
 
@@ -207,7 +207,8 @@ def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int 
 
 def _expert_groups(root: Any, ep: int) -> dict[str, Any]:
     """This rank's ``ep`` and ``ep_replicas`` process groups: over the data-parallel ranks
-    of each (pp, cp, tp) position, ``ep`` consecutive ones, and every ``ep``-th one.
+    of each (pp, cp, tp) position, ``ep`` consecutive ones; and every ``ep``-th one of
+    every context-parallel position of each (pp, tp) position.
     Every rank makes every group, in the same order (``new_subgroups_by_enumeration``)."""
     ranks = root.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
     pp, rep, shard, cp, tp = ranks.shape
@@ -215,11 +216,17 @@ def _expert_groups(root: Any, ep: int) -> dict[str, Any]:
         raise BuildError(f"ep={ep} does not divide the {rep * shard} data-parallel ranks",
                          primitive="init_mesh", values={"ep": ep, "dp": rep * shard},
                          fix="an ep that divides dp_shard (or dp_replicate without FSDP2)")
-    rows = ranks.reshape(pp, rep * shard, cp, tp).permute(0, 2, 3, 1).reshape(-1, rep * shard)
-    groups = [row[i:i + ep].tolist() for row in rows for i in range(0, rep * shard, ep)]
-    replicas = [row[j::ep].tolist() for row in rows for j in range(ep)]
+    dp = rep * shard
+    # (pp, tp) positions x (cp, dp): an ep group is ep consecutive data-parallel ranks of
+    # one context-parallel position; the replicas of an expert are the ranks at the same
+    # place in every ep group, of every context-parallel position (they hold the same
+    # experts and see other tokens)
+    blocks = ranks.reshape(pp, dp, cp, tp).permute(0, 3, 2, 1).reshape(-1, cp, dp)
+    groups = [row[i:i + ep].tolist() for block in blocks for row in block
+              for i in range(0, dp, ep)]
+    replicas = [block[:, j::ep].reshape(-1).tolist() for block in blocks for j in range(ep)]
     mine, _ = dist.new_subgroups_by_enumeration(groups)
     others = None
-    if rep * shard > ep:
+    if dp * cp > ep:
         others, _ = dist.new_subgroups_by_enumeration(replicas)
     return {"ep": mine, "ep_replicas": others}
