@@ -239,3 +239,16 @@ def test_with_context_parallelism(spec):
     assert totals[("all_reduce", "ep_replicas")].bytes == L * experts // 2
     assert {("all_gather", "cp"), ("all_to_all", "ep")} <= set(totals)
     assert "over the 2 ranks holding the same ones" in p.notes[-1]
+
+
+def test_search_retries_without_sequence_parallelism(spec):
+    """Mixtral's schedule refuses sequence parallelism (its router mixes positions): the
+    search predicts its tensor-parallel layouts without it instead of dropping them."""
+    result = search(spec, 2, "h100-80gb", batch_size=2, seq_len=SEQ, tp=2, pp=1,
+                    micro_batches=(1,), ckpt_ratios=(0.0,), dp_mode="ddp")
+    assert [p.layout.describe() for p in result.ranked] == [
+        "tp2 accum2 dp1(ddp) mb1 ckpt0 fp32/bf16"]
+    [(refused, why)] = result.rejected
+    assert refused.sp and refused.tp == 2
+    assert why.startswith("sequence parallelism runs model.layers.0.mlp.gate "
+                          "(MixtralTopKRouter) on a slice of the sequence")

@@ -9,7 +9,8 @@ micro-batches as pipeline ranks, run by the ``pipeline_schedule`` asked for (any
 divide the batch; DDP or FSDP2 (under a pipeline too), and HSDP when asked for
 (``dp_mode="hsdp"``: every ``dp_replicate`` that splits the data-parallel ranks, or the
 one given); sequence parallelism with tensor parallelism (on by default: the same bytes
-as plain tensor parallelism, less activation memory); the checkpoint ratios (or
+as plain tensor parallelism, less activation memory; where the model's schedule refuses it,
+the layout is predicted without it); the checkpoint ratios (or
 ``ac="full"`` / ``"op"``) and micro-batch sizes asked for; context parallelism at the
 degree asked for (``cp``, 1 by default; ``cp=None`` tries every degree that divides the
 ranks left by tensor parallelism, without a pipeline, where the sequence splits into
@@ -264,6 +265,15 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
             preds.append(predict(spec, lay, prof, schedule=schedule, imbalance=imbalance))
         except ScheduleError as err:  # a layout refused, or a schedule the model refuses
             rejected.append((lay, err.problem))
+            if lay.sp and space.get("sp") is None:
+                # the model's schedule refuses sequence parallelism (a router that mixes
+                # positions): the same layout without it, which the search did not list
+                try:
+                    plain = lay.replace(sp=False, async_tp=False)
+                    preds.append(predict(spec, plain, prof, schedule=schedule,
+                                         imbalance=imbalance))
+                except ScheduleError as again:
+                    rejected.append((lay, f"without sequence parallelism: {again.problem}"))
     if progress is not None:
         progress(len(todo), len(todo), "done")
     preds.sort(key=lambda p: (not p.fits, p.headroom < min_headroom,
