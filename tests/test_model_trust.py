@@ -253,3 +253,16 @@ def test_per_layer_size_lists_are_accepted_and_checked_item_by_item() -> None:
     with pytest.raises(ModelConfigError, match=r"intermediate_size is \[128, 0\]; a size must "
                        r"be a positive integer"):
         check_config_sizes(config)
+
+
+def test_a_zero_head_dim_means_derived_elsewhere():
+    """GLM-5-Next's default config has head_dim 0 (its latent attention sizes heads by
+    qk_head_dim): accepted; a negative one is not."""
+    from types import SimpleNamespace
+
+    from torchloom.runtime.model_check import check_config_sizes
+
+    check_config_sizes(SimpleNamespace(hidden_size=64, head_dim=0))
+    with pytest.raises(ModelConfigError, match=r"head_dim is -1; a size must be a positive "
+                       r"integer"):
+        check_config_sizes(SimpleNamespace(hidden_size=64, head_dim=-1))

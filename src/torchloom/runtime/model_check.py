@@ -83,8 +83,9 @@ def _fields(config: Any) -> dict[str, Any]:
 def check_config_sizes(config: Any, *, source: str | None = None,
                        primitive: str = "build", _prefix: str = "") -> None:
     """Every :data:`SIZE_FIELDS` entry of ``config`` (a transformers config, or anything
-    with those attributes; sub-configs such as ``text_config`` too) is a positive integer,
-    a non-empty list of them (one per layer) or None; else a :class:`ModelConfigError` naming the field, its value and ``source``
+    with those attributes; sub-configs such as ``text_config`` too) is a positive integer
+    (``head_dim`` may be 0: some families derive it), a non-empty list of them (one per
+    layer) or None; else a :class:`ModelConfigError` naming the field, its value and ``source``
     (the file or class it came from)."""
     if config is None:
         return
@@ -97,7 +98,11 @@ def check_config_sizes(config: Any, *, source: str | None = None,
         if value is None:
             continue
         items = value if isinstance(value, (list, tuple)) and value else [value]
-        good = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items)
+        # head_dim 0: "derived elsewhere" in some families (GLM-5-Next's latent attention
+        # sizes its heads by qk_head_dim); a zero size allocates nothing
+        least = 0 if name == "head_dim" else 1
+        good = all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                   for v in items)
         if not good:  # (a list: one size per layer, as Gemma 3n's intermediate_size)
             field = _prefix + name
             raise ModelConfigError(
