@@ -68,13 +68,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from zoo_sweep import (
     _EXPERTS,
-    CLASS_MAPPINGS,
     NOT_BUILDING,
     SEQ,
     TARGET,
@@ -86,11 +85,11 @@ from zoo_sweep import (
     _get,
     _machine,
     _quiet,
-    _takes_config,
     _write_results,
     example_inputs,
     has_dropout,
     loss_of,
+    model_class_for,
     model_class_of,
     parse_args,
     sweep,
@@ -151,27 +150,6 @@ def _routes_experts(package: str) -> bool:
     return False
 
 
-def _model_class(key: str, config_cls: type) -> tuple[str, str] | str:
-    """``(model class, mapping)`` of the family (the zoo sweep's order of auto mappings),
-    or why it has none."""
-    from transformers.models.auto import modeling_auto
-
-    missing = []
-    for mapping in CLASS_MAPPINGS:
-        name = getattr(modeling_auto, mapping, {}).get(key)
-        if isinstance(name, (list, tuple)):
-            name = name[0]
-        if not name:
-            continue
-        takes = _takes_config(name, config_cls)
-        if takes:
-            return name, mapping.removesuffix("_MAPPING_NAMES")
-        if takes is None:
-            missing.append(name)
-    return (f"model class {missing[0]} cannot be imported" if missing else
-            "no model class of its own (a sub-config; its parent family runs it)")
-
-
 def discover_ep() -> tuple[list[Family], list[dict[str, str]]]:
     """Every family that looks like a mixture of experts (see the module docstring) and
     has a model class; and those skipped, with the reason. ``Family.plan_in`` says where
@@ -203,7 +181,7 @@ def _discover_ep() -> tuple[tuple[Family, ...], tuple[dict[str, str], ...]]:
                 count = None
             if not count and not _routes_experts(config_cls.__module__.rpartition(".")[0]):
                 continue
-        found = _model_class(key, config_cls)
+        found = model_class_for(key, config_cls)
         if isinstance(found, str):
             skipped.append({"family": key, "reason": found})
             continue
@@ -247,20 +225,30 @@ class EpJob:
         return run_ep(self.family, args.seed)
 
 
-def _no_dropout(config: Any, prefix: str = "", seen: set[int] | None = None) -> list[str]:
-    """Set every dropout probability of ``config`` and its sub-configs to 0; the fields
-    changed."""
+def _configs(config: Any, prefix: str = "", seen: set[int] | None = None
+             ) -> Iterator[tuple[str, Any]]:
+    """``config`` and its sub-configs (``text_config``, ...), each once, with the prefix of
+    its fields' names."""
     seen = set() if seen is None else seen
     if id(config) in seen:
-        return []
+        return
     seen.add(id(config))
-    changed = []
+    yield prefix, config
     for name, value in list(vars(config).items()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            changed += _no_dropout(value, f"{prefix}{name}.", seen)
-        elif ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
-            setattr(config, name, 0.0)
-            changed.append(prefix + name)
+            yield from _configs(value, f"{prefix}{name}.", seen)
+
+
+def _no_dropout(config: Any) -> list[str]:
+    """Set every dropout probability of ``config`` and its sub-configs to 0; the fields
+    changed."""
+    changed = []
+    for prefix, sub in _configs(config):
+        for name, value in list(vars(sub).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) \
+                    and value > 0:
+                setattr(sub, name, 0.0)
+                changed.append(prefix + name)
     return changed
 
 
@@ -271,32 +259,26 @@ _MOE_SIZES = {"num_experts": "experts", "top_k_experts": "top_k",
               "moe_intermediate_size": "moe_intermediate"}
 
 
-def _moe_on(config: Any, prefix: str = "", seen: set[int] | None = None) -> list[str]:
+def _moe_on(config: Any) -> list[str]:
     """Switch on the mixture of experts of ``config`` and its sub-configs where the
     defaults build a dense model (a switch above off, or every layer of the tiny model
     in ``mlp_only_layers``: the last one becomes sparse); the fields changed."""
-    seen = set() if seen is None else seen
-    if id(config) in seen:
-        return []
-    seen.add(id(config))
     changed = []
-    for name, value in list(vars(config).items()):
-        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            changed += _moe_on(value, f"{prefix}{name}.", seen)
-    if any(_get(config, n) is False for n in _MOE_SWITCHES):
-        for name in _MOE_SWITCHES:
-            if _get(config, name) is False:
-                setattr(config, name, True)
-                changed.append(prefix + name)
-        for name, key in _MOE_SIZES.items():
-            if name in vars(config) and _get(config, name) is None:
-                setattr(config, name, TARGET[key])
-                changed.append(prefix + name)
-    layers, dense = _get(config, "num_hidden_layers"), _get(config, "mlp_only_layers")
-    if isinstance(layers, int) and isinstance(dense, list) and layers > 1 \
-            and set(range(layers)) <= set(dense):
-        config.mlp_only_layers = [i for i in dense if i < layers - 1]
-        changed.append(prefix + "mlp_only_layers")
+    for prefix, sub in _configs(config):
+        if any(_get(sub, n) is False for n in _MOE_SWITCHES):
+            for name in _MOE_SWITCHES:
+                if _get(sub, name) is False:
+                    setattr(sub, name, True)
+                    changed.append(prefix + name)
+            for name, key in _MOE_SIZES.items():
+                if name in vars(sub) and _get(sub, name) is None:
+                    setattr(sub, name, TARGET[key])
+                    changed.append(prefix + name)
+        layers, dense = _get(sub, "num_hidden_layers"), _get(sub, "mlp_only_layers")
+        if isinstance(layers, int) and isinstance(dense, list) and layers > 1 \
+                and set(range(layers)) <= set(dense):
+            sub.mlp_only_layers = [i for i in dense if i < layers - 1]
+            changed.append(prefix + "mlp_only_layers")
     return changed
 
 

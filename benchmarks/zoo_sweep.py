@@ -171,7 +171,6 @@ def discover() -> tuple[list[Family], list[dict[str, str]]]:
 
 @functools.lru_cache(maxsize=1)
 def _discover() -> tuple[tuple[Family, ...], tuple[dict[str, str], ...]]:
-    from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     families: list[Family] = []
@@ -185,25 +184,33 @@ def _discover() -> tuple[tuple[Family, ...], tuple[dict[str, str], ...]]:
         holder = _plan_holder(config_cls)
         if holder is None:
             continue
-        missing = []
-        for mapping in CLASS_MAPPINGS:
-            model_class = getattr(modeling_auto, mapping, {}).get(key)
-            if isinstance(model_class, (list, tuple)):
-                model_class = model_class[0]
-            if not model_class:
-                continue
-            takes = _takes_config(model_class, config_cls)
-            if takes:
-                families.append(Family(key, config_cls.__name__, model_class,
-                                       mapping.removesuffix("_MAPPING_NAMES"), holder))
-                break
-            if takes is None:
-                missing.append(model_class)
-        else:
-            reason = (f"model class {missing[0]} cannot be imported" if missing else
-                      "no model class of its own (a sub-config; its parent family runs it)")
-            skipped.append({"family": key, "reason": reason})
+        found = model_class_for(key, config_cls)
+        if isinstance(found, str):
+            skipped.append({"family": key, "reason": found})
+            continue
+        families.append(Family(key, config_cls.__name__, found[0], found[1], holder))
     return tuple(families), tuple(skipped)
+
+
+def model_class_for(key: str, config_cls: type) -> tuple[str, str] | str:
+    """``(model class, mapping)`` of family ``key``: the first of :data:`CLASS_MAPPINGS`
+    naming a class that takes ``config_cls``; or why it has none."""
+    from transformers.models.auto import modeling_auto
+
+    missing = []
+    for mapping in CLASS_MAPPINGS:
+        name = getattr(modeling_auto, mapping, {}).get(key)
+        if isinstance(name, (list, tuple)):
+            name = name[0]
+        if not name:
+            continue
+        takes = _takes_config(name, config_cls)
+        if takes:
+            return name, mapping.removesuffix("_MAPPING_NAMES")
+        if takes is None:
+            missing.append(name)
+    return (f"model class {missing[0]} cannot be imported" if missing else
+            "no model class of its own (a sub-config; its parent family runs it)")
 
 
 #: the fixed subset CI runs (``--ci``), one 2-rank launch: dense with grouped KV heads
