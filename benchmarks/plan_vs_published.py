@@ -175,10 +175,10 @@ def evaluate(rows: list[Row], root: str, profile: str = "h100-96gb") -> list[dic
         item: dict[str, Any] = {"table": row.table, "run": row.name, "model": row.model,
                                 "gpus": row.gpus, "published_tps": row.tps,
                                 "published_gib": row.gib}
+        spec = model_spec(config_dir(row.model, root), seq_len=row.seq_len)
         try:
-            spec0 = model_spec(config_dir(row.model, root), seq_len=row.seq_len)
-            check_model(row.layout(), spec0)
-        except PlanError as exc:  # context parallelism inside a pipeline: not modelled
+            check_model(row.layout(), spec)
+        except PlanError as exc:  # a layout torchloom or its planner does not take
             item["status"] = f"not predicted: {str(exc).splitlines()[0]}"
             out.append(item)
             continue
@@ -189,7 +189,6 @@ def evaluate(rows: list[Row], root: str, profile: str = "h100-96gb") -> list[dic
                               "(dp_shard 1); torchloom's Layout(dp_shard=1, cp) runs DDP")
             out.append(item)
             continue
-        spec = model_spec(config_dir(row.model, root), seq_len=row.seq_len)
         start = time.perf_counter()
         schedule = torchtitan_tp if row.tp > 1 else None
         p = predict(spec, row.layout(), profile, schedule=schedule)

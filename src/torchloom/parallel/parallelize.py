@@ -78,7 +78,6 @@ from torch import nn
 
 from ..core.errors import LayoutError, ModelSizeError
 from ..core.marks import CHECKPOINTED, CONTEXT_PARALLEL, get_mark, has_mark
-from ..core.meta import shard_spec
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
 from ..core.schedule import create_schedule as _create_schedule
@@ -88,7 +87,7 @@ from ..ops.loss import is_causal_lm, next_token_loss, set_loss
 from ..runtime.build import build
 from ..runtime.causal_mask import unpacked_sequences
 from ..runtime.collectives import guard_collective
-from ..runtime.expert_dispatch import expert_gradients
+from ..runtime.expert_dispatch import expert_gradients, split_experts
 from ..runtime.mesh import Mesh
 from ..runtime.parallel import fully_shard_model
 from ..schedules._common import loss_parallel_head, node_at
@@ -193,8 +192,7 @@ class Parallelized:
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters split over the expert-parallel ranks (each rank its own experts)."""
-        return [p for p in self.module.parameters()
-                if (spec := shard_spec(p)) is not None and spec.group is not None]
+        return split_experts(self.module)
 
     def reduce_gradients(self) -> None:
         """Average what backward left unaveraged; call it after each step's backward.
@@ -549,8 +547,7 @@ def shard_experts(model: nn.Module, mesh: Mesh | None, policy: Any) -> set[nn.Pa
     from ..core.marks import EXPERT_PARALLEL, has_mark
     from ..core.meta import copy_meta
 
-    experts = {p for p in model.parameters()
-               if (spec := shard_spec(p)) is not None and spec.group is not None}
+    experts = set(split_experts(model))
     group = mesh.group("ep_replicas") if mesh is not None and experts else None
     if mesh is None or group is None:
         return experts

@@ -38,6 +38,7 @@ from ..core.errors import PlanError
 from ..core.meta import copy_meta
 from ..core.outputs import no_cache_kwargs
 from ..runtime.causal_mask import unpacked_sequences
+from ..runtime.expert_dispatch import split_experts
 from ..runtime.expert_routing_model import modeled_routing
 from .opcost import OpCost, flop_counter, grouped_mm_on_fake
 from .spec import DTYPES, ModelSpec
@@ -267,14 +268,6 @@ def _autocast(key: UnitKey) -> Any:
     return torch.autocast("cpu", dtype=DTYPES[key.mixed_precision])
 
 
-def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters expert parallelism split (each rank its own experts)."""
-    from ..core.meta import shard_spec
-
-    return [p for p in model.parameters()
-            if (spec := shard_spec(p)) is not None and spec.group is not None]
-
-
 def _fully_shard(model: nn.Module, spec: ModelSpec, mesh: Any, key: UnitKey) -> None:
     """FSDP2 as :func:`torchloom.parallelize` applies it: each layer, then the root, over
     the mesh's FSDP2 dimension(s), with the layout's mixed-precision policy; the experts
@@ -421,7 +414,7 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         # the bytes of a layer's experts (split by ep, left whole by FSDP2): their
         # gradients are averaged over the ranks holding the same experts, not by DDP
         # or FSDP2
-        mine = _expert_params(layers[depth - 1])
+        mine = split_experts(layers[depth - 1])
         units.extra["expert_params"] = sum(_nbytes(p) for p in mine)
         units.extra["experts_sharded"] = any(hasattr(p, "to_local") for p in mine)
         units.extra["expert_tensors"] = len(mine)

@@ -65,10 +65,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..core.errors import ExpertParallelError
+from ..core.meta import shard_spec
 from . import collectives as C
 from .expert_routing_model import modeled_dispatch, modeled_imbalance
 
-__all__ = ["EPState", "dispatch", "expert_gradients", "expert_params"]
+__all__ = ["EPState", "dispatch", "expert_gradients", "expert_params", "split_experts"]
 
 _PRIMITIVE = "expert_parallel"
 
@@ -193,6 +194,13 @@ def expert_params(module: nn.Module, num_experts: int) -> list[str]:
     names += [name for name, b in module.named_buffers()
               if b is not None and b.dim() >= 1 and b.shape[0] == num_experts]
     return names
+
+
+def split_experts(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module`` that expert parallelism split (each rank its own
+    experts: a shard spec over the ``ep`` group, not the schedule's)."""
+    return [p for p in module.parameters()
+            if (spec := shard_spec(p)) is not None and spec.group is not None]
 
 
 def expert_gradients(params: list[nn.Parameter], replica_group: Any, dp: int) -> None:
