@@ -144,6 +144,18 @@ def test_refusals(folders, spec):
     with pytest.raises(ExpertParallelError, match="imbalance"):
         with modeled_routing(0.5):
             pass
+    for bad in (float("inf"), float("nan"), 0.5):
+        with pytest.raises(PlanError) as err:
+            predict(spec, Layout(dp_replicate=2, ep=2, seq_len=SEQ), imbalance=bad)
+        assert str(err.value) == (
+            "plan(...): the routing imbalance is the busiest expert-parallel rank's load over "
+            f"the average: a finite number of 1 or more\n    values: imbalance={bad}\n"
+            "    fix: imbalance=1.0 (balanced routing), or e.g. 1.25")
+        with pytest.raises(PlanError, match="routing imbalance"):
+            search(spec, 2, batch_size=2, seq_len=SEQ, ep=2, imbalance=bad)
+        with pytest.raises(ExpertParallelError, match="imbalance"):
+            with modeled_routing(bad):
+                pass
 
 
 def test_search_tries_ep_degrees(spec, folders):

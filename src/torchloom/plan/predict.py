@@ -65,10 +65,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.errors import PlanError
 from .layout import OPTIMIZERS, Layout, check_model
 from .notes import layout_notes
 from .pipeline import bubble_share, order
@@ -299,6 +301,15 @@ def _ring(kind: str, size: int, nbytes: int, link: float) -> float:
     return nbytes / link
 
 
+def check_imbalance(imbalance: float) -> None:
+    """Refuse a routing imbalance that is not a finite number of 1 or more."""
+    if not (math.isfinite(imbalance) and imbalance >= 1.0):
+        raise PlanError("the routing imbalance is the busiest expert-parallel rank's load "
+                        "over the average: a finite number of 1 or more",
+                        primitive="plan", values={"imbalance": imbalance},
+                        fix="imbalance=1.0 (balanced routing), or e.g. 1.25")
+
+
 def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
             schedule: ScheduleFn | None = None, size: str = "tiny",
             imbalance: float = 1.0) -> Prediction:
@@ -315,6 +326,7 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
             :class:`~torchloom.core.errors.LayoutError` for the stage split), a dtype the
             profile lacks, a model the planner does not support.
     """
+    check_imbalance(imbalance)
     spec = model_spec(model, size=size, seq_len=layout.seq_len)
     prof = get_profile(profile)
     check_model(layout, spec)

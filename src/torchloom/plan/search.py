@@ -49,7 +49,7 @@ from typing import Any
 
 from ..core.errors import PlanError, ScheduleError
 from .layout import OPTIMIZERS, Layout, check_model
-from .predict import Prediction, predict
+from .predict import Prediction, check_imbalance, predict
 from .profiles import Profile, get_profile
 from .spec import DTYPES, ModelSpec, model_spec
 from .units import ScheduleFn
@@ -232,6 +232,7 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
     must leave free to rank among the first; ``imbalance``: the routing imbalance of
     expert-parallel layouts (:func:`~torchloom.plan.predict.predict`)."""
     started = time.perf_counter()
+    check_imbalance(imbalance)
     spec = model_spec(model, size=size, seq_len=seq_len)
     prof = get_profile(profile)
     space.setdefault("gpus_per_node", prof.gpus_per_node)

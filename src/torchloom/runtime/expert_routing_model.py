@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -44,11 +45,11 @@ _IMBALANCE: ContextVar[float | None] = ContextVar("torchloom_ep_imbalance", defa
 def modeled_routing(imbalance: float = 1.0) -> Iterator[None]:
     """Dispatch fake tensors by the routing model (see the module docstring);
     ``imbalance`` >= 1 is the busiest rank's load over the average."""
-    if not imbalance >= 1.0:
+    if not (math.isfinite(imbalance) and imbalance >= 1.0):
         raise ExpertParallelError(
             "the routing imbalance is the busiest rank's load over the average",
             primitive="expert_parallel", values={"imbalance": imbalance},
-            fix="give 1.0 (balanced) or more")
+            fix="give a finite 1.0 (balanced) or more")
     token = _IMBALANCE.set(float(imbalance))
     try:
         yield
