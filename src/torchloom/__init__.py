@@ -56,6 +56,7 @@ from .runtime.agree import check_ranks_agree
 from .runtime.build import build
 from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
 from .runtime.materialise import init_empty_weights
+from .runtime.adapter_files import save_adapter
 from .runtime.pretrained import save_pretrained
 from .runtime.process_group import init_distributed
 from .runtime.rng import set_random_seed
@@ -148,5 +149,6 @@ __all__ = [
     "CollectiveShapeError",
     "RankFailedError",
     "PretrainedError",
+    "save_adapter",
     "save_pretrained",
 ]

@@ -18,6 +18,9 @@ Commands:
   :class:`~torchloom.Verify` on N local ranks and report what was compared; MODEL (a zoo
   name, a folder, a config file or ``path/to/file.py:factory``) is checked before any rank
   starts;
+* ``torchloom generate FOLDER --prompt TEXT``: what a model folder or a peft LoRA adapter
+  folder (its base a local folder) answers, greedy or seeded sampling, offline
+  (:mod:`torchloom.apps.generate`);
 * ``torchloom list-primitives``: the primitives a schedule offers.
 
 A :class:`~torchloom.core.errors.ScheduleError` is printed as its message, without a
@@ -38,6 +41,7 @@ from .cli_bench import bench
 from .cli_common import available_cores
 from .cli_demo import apply_demo_schedule, demo
 from .cli_errors import clean_errors as _clean_errors
+from .cli_generate import generate
 from .cli_report import Reporter
 from .cli_show import list_primitives_command, show, show_model
 from .cli_verify import check_verify, run_verify, verify_model, verify_rank
@@ -356,6 +360,7 @@ app.command()(_clean_errors(train))
 app.command()(_clean_errors(tune))
 app.command()(_clean_errors(verify))
 app.command()(_clean_errors(bench))
+app.command()(_clean_errors(generate))
 _register_plan()
 
 

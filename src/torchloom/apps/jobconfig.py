@@ -63,7 +63,7 @@ RUN_FIELDS = ("model", "size", "data", "eval_fraction", "eval_every", "eval_batc
               "min_lr_ratio", "weight_decay", "clip_grad", "seed", "dtype", "tp", "cp", "ep", "dp",
               "dp_mode", "dp_replicate", "pp", "pipeline_schedule", "stages_per_rank",
               "stage_cuts", "n_microbatches", "sequence_parallel", "ckpt_ratio", "ac", "deterministic",
-              "loss", "float8")
+              "loss", "float8", "lora", "lora_base_dtype", "pack")
 """The fields a checkpoint records and ``--resume`` compares (with the schedule's recipe):
 everything that changes what a step computes. Not compared: the device, where and how often
 to save, ``stop_after``, outputs (metrics, ``save_pretrained``), threads and the timeout."""
@@ -192,6 +192,24 @@ class TrainConfig:
     allow_missing: bool = False
     """A folder model: initialise at random the tensors the folder's weight files lack
     (by default they are an error naming the key and the file)."""
+    lora: str | None = None
+    """LoRA fine-tuning (peft): ``"r=16,alpha=32,targets=q_proj,v_proj"`` (optionally
+    ``,dropout=0.05``; in TOML also a table ``lora = {r = 16, alpha = 32, targets =
+    ["q_proj", "v_proj"]}``): adapters on those linear layers, the rest frozen
+    (:mod:`torchloom.parallel.lora`); ``save_pretrained`` then writes the adapter folder."""
+    lora_base_dtype: str = "fp32"
+    """With ``lora``: the frozen base's dtype, ``fp32`` or ``bf16`` (adapters train in fp32)."""
+    merge: bool = False
+    """With ``lora`` and ``save_pretrained``: also write the merged model (``FOLDER/merged``)."""
+    pack: bool = False
+    """With example data (``.jsonl``): pack examples into full sequences (position ids
+    restart per example, no attention across examples)."""
+    sample_every: int = 0
+    """Print the model's answer to ``sample_prompt`` every N steps and at the end (rank 0;
+    0: never)."""
+    sample_prompt: str = "Hello"
+    sample_tokens: int = 32
+    """Tokens generated per sample (greedy)."""
     stop_after: int | None = None
     """Stop after this step (and save), keeping the learning-rate schedule of ``steps``:
     for jobs that run in slices of a time limit."""
@@ -215,6 +233,8 @@ class TrainConfig:
             object.__setattr__(self, "data", (os.fspath(self.data),))
         elif isinstance(self.data, list):
             object.__setattr__(self, "data", tuple(self.data))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", _lora_text(self.lora))
         if isinstance(self.stage_cuts, str):
             object.__setattr__(self, "stage_cuts", _cuts_of(self.stage_cuts))
         elif isinstance(self.stage_cuts, list):
@@ -319,13 +339,15 @@ _INTS = {  # name: (lowest allowed, what it is, example)
     "pp": (1, "the number of pipeline stages", 2),
     "n_microbatches": (1, "the number of pipeline micro-batches", 4),
     "threads": (0, "the number of torch threads (0: automatic)", 2),
+    "sample_every": (0, "the sampling interval (0: never)", 50),
+    "sample_tokens": (1, "the number of tokens a sample generates", 32),
 }
 _CHOICES = {"device": DEVICES, "dtype": DTYPES, "lr_decay": DECAYS, "dp_mode": DP_MODES,
             "loss": LOSSES}
 _OPTIONAL_CHOICES = {"ac": AC_MODES}
 _PATHS = ("save_dir", "save_pretrained", "metrics", "tensorboard")
 _BOOLS = ("sequence_parallel", "resume", "allow_config_change", "allow_missing",
-          "deterministic", "progress", "float8", "async_tp", "compile")
+          "deterministic", "progress", "float8", "async_tp", "compile", "merge", "pack")
 
 
 def _validate(c: TrainConfig) -> None:
@@ -435,7 +457,47 @@ def _check_model(c: TrainConfig, zoo: Any) -> None:
         "path/to/model.py:make_model (on the command line only)")
 
 
+def _lora_text(table: dict[str, Any]) -> str:
+    """A TOML ``lora`` table as the ``--lora`` text (checked by :func:`_check_lora`)."""
+    parts = []
+    for key, value in table.items():
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        parts.append(f"{key}={value}")
+    return ",".join(parts)
+
+
+def _check_lora(c: TrainConfig) -> None:
+    from ..core.errors import LoraError
+    from ..parallel.lora import BASE_DTYPES, parse_lora
+
+    example = "r=16,alpha=32,targets=q_proj,v_proj"
+    if c.lora is not None:
+        if not isinstance(c.lora, str):
+            raise _fail("lora", c.lora, "must be a text like " + example, example)
+        try:
+            parse_lora(c.lora)
+        except LoraError as exc:
+            raise _fail("lora", c.lora, exc.problem, example) from None
+    if c.lora_base_dtype not in BASE_DTYPES:
+        raise _fail("lora_base_dtype", c.lora_base_dtype,
+                    f"must be one of {', '.join(BASE_DTYPES)}", "bf16")
+    if c.lora is None and c.lora_base_dtype != "fp32":
+        raise _fail("lora_base_dtype", c.lora_base_dtype, "keeps a frozen base in bf16: it "
+                    "needs --lora", "fp32", {"lora_base_dtype": c.lora_base_dtype, "lora": None})
+    if c.merge and (c.lora is None or c.save_pretrained is None):
+        raise _fail("merge", True, "writes the merged model of a LoRA run: it needs --lora "
+                    "and --save-pretrained", False,
+                    {"merge": True, "lora": c.lora, "save_pretrained": c.save_pretrained})
+    if not isinstance(c.sample_prompt, str) or not c.sample_prompt:
+        raise _fail("sample_prompt", c.sample_prompt, "must be a non-empty text", "Hello")
+    if c.sample_every and c.pp > 1:
+        raise _fail("sample_every", c.sample_every, "samples from a pipelined model are not "
+                    "supported yet", 0, {"sample_every": c.sample_every, "pp": c.pp})
+
+
 def _check_combinations(c: TrainConfig) -> None:
+    _check_lora(c)
     per_rank = c.dp * c.grad_accum
     if c.batch_size % per_rank:
         raise TrainOptionError(

@@ -73,7 +73,8 @@ from ..runtime.state import (
 )
 from ..schedules import zoo
 from ..tools import usercode
-from . import data
+from ..parallel.lora import parse_lora
+from . import chat_data, data
 from .jobconfig import RUN_FIELDS, TrainConfig, TrainOptionError
 from .train_checkpoints import compare, run_config
 from .train_checks import _check_memory as _check_memory
@@ -233,6 +234,9 @@ class _Run:
                 self.mesh.group(d) for d in ("tp", "dp", "pp"))
             self.tp_rank, self.dp_rank = (self.mesh.local_rank(d) for d in ("tp", "dp"))
         self.corpus = load_data(cfg)
+        self.examples = self.corpus.examples
+        self.lora = (parse_lora(cfg.lora, seed=cfg.seed, base_dtype=cfg.lora_base_dtype)
+                     if cfg.lora else None)
         self.fsdp = cfg.fsdp
         self.built: Parallelized | None = None
         self.checkpoint: str | None = None
@@ -257,6 +261,20 @@ class _Run:
         ids = data.window_batch(self.corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed)
         share = cfg.batch_size // cfg.dp
         return ids[self.dp_rank * share:(self.dp_rank + 1) * share].to(self.device)
+
+    def example_batch(self, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This data-parallel rank's share of step ``step``'s examples (``input_ids``,
+        ``labels`` with -100 outside the responses, ``position_ids`` when packed), and the
+        number of tokens of the whole step that count in the loss (after the shift)."""
+        cfg = self.cfg
+        batch = chat_data.example_batch(self.examples, step, cfg.batch_size, cfg.seq_len,
+                                        cfg.seed)
+        counted = (batch["labels"][:, 1:] != -100).sum().to(torch.float32)
+        if not cfg.pack:
+            del batch["position_ids"]  # whole rows from 0: the model's own positions
+        share = cfg.batch_size // cfg.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        return {k: v[lo:hi].to(self.device) for k, v in batch.items()}, counted.to(self.device)
 
     def dp_mean(self, value: torch.Tensor) -> float:
         if self.cfg.dp == 1:
@@ -367,13 +385,28 @@ class _Run:
                 dist.barrier()
 
     def save_pretrained(self, model: nn.Module) -> None:
+        """The run's export: the model as a transformers folder; with LoRA the adapter
+        folder (peft's form, its base the ``--model`` folder) and, with ``merge``, the
+        merged model in ``FOLDER/merged``. The tokenizer goes beside each."""
+        from ..runtime.adapter_files import save_adapter
         from ..runtime.pretrained import save_pretrained
 
-        folder = self.cfg.save_pretrained
+        cfg = self.cfg
+        folder = cfg.save_pretrained
         assert folder is not None
-        save_pretrained(model, folder, group=self.tp_group)
+        written = [folder]
+        if self.lora is None:
+            save_pretrained(model, folder, group=self.tp_group)
+        else:
+            base = os.path.abspath(cfg.model) if cfg.model_kind == "folder" else None
+            save_adapter(model, folder, group=self.tp_group, base_model=base)
+            if cfg.merge:
+                written.append(os.path.join(folder, "merged"))
+                save_pretrained(model, written[-1], group=self.tp_group, merge_adapters=True)
         if self.rank == 0 and self.corpus.tokenizer:
-            data.load_tokenizer(self.corpus.tokenizer).save_pretrained(folder)
+            tokenizer = data.load_tokenizer(self.corpus.tokenizer)
+            for path in written:
+                tokenizer.save_pretrained(path)
 
     def start_record(self, recipe: str) -> dict[str, Any]:
         cfg = self.cfg
@@ -405,8 +438,12 @@ class _Run:
         sch = create_schedule(model, self.mesh)
         example = None
         if cfg.pp > 1:
-            micro = data.window_batch(self.corpus.train, 0, self.layout.micro_batch,
-                                      cfg.seq_len, cfg.seed).to(self.device)
+            if self.examples is not None:  # the shape only: examples are padded rows
+                micro = torch.zeros((self.layout.micro_batch, cfg.seq_len), dtype=torch.long,
+                                    device=self.device)
+            else:
+                micro = data.window_batch(self.corpus.train, 0, self.layout.micro_batch,
+                                          cfg.seq_len, cfg.seed).to(self.device)
             example = {"input_ids": micro}  # the last stage computes the layout's loss
 
         def seed() -> None:
@@ -418,8 +455,13 @@ class _Run:
             sch, self.layout, mesh=self.mesh, device=self.device, weights=weights,
             strict=not cfg.allow_missing, example_inputs=example,
             schedule_at="model" if inner is not model else "",
-            stacks=_zoo_stacks(cfg, model), before_build=seed)
+            stacks=_zoo_stacks(cfg, model), before_build=seed, lora=self.lora)
         self.built = built
+        if cfg.pp > 1 and self.examples is not None:
+            # examples: the loss over the step's response tokens, not a mean per micro-batch
+            schedule = built.model.schedule
+            self.counted_loss = _CountedLoss(schedule._loss_fn)
+            schedule._loss_fn = self.counted_loss
         return built.model, built.module, built.parameters(), built.ties, sch
 
     def run(self) -> dict[str, Any]:
@@ -474,13 +516,24 @@ class _Run:
                 "tokens_per_s": len(losses) * tokens_per_step / elapsed if elapsed > 0 else 0.0}
 
     def step(self, model: Any, step: int) -> float:
-        """Forward and backward of the step's micro-batches; the mean loss over all ranks."""
+        """Forward and backward of the step's micro-batches; the mean loss over all ranks
+        (with examples: over the step's response tokens, whichever rank holds them)."""
         cfg = self.cfg
-        chunks = self.local_batch(step).chunk(cfg.grad_accum)
+        chunks: list[Any]
+        items = None
+        if self.examples is not None:
+            batch, counted = self.example_batch(step)
+            # each micro-step's loss: its tokens' sum over the step's count, times the
+            # dp x accumulation micro-steps that the averages below divide by
+            items = counted / (cfg.dp * cfg.grad_accum)
+            parts = {k: v.chunk(cfg.grad_accum) for k, v in batch.items()}
+            chunks = [{k: v[i] for k, v in parts.items()} for i in range(cfg.grad_accum)]
+        else:
+            chunks = list(self.local_batch(step).chunk(cfg.grad_accum))
         total = torch.zeros((), device=self.device)
         for i, ids in enumerate(chunks):
             with self.no_sync(model, i < len(chunks) - 1), self.autocast():
-                loss = _step_loss(model, ids)
+                loss = _step_loss(model, ids, items)
             (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
             total = total + loss.detach().float()
         assert self.built is not None
@@ -493,9 +546,16 @@ class _Run:
         return self.built.no_sync(skip)
 
     def pipeline_step(self, pipe: Any, step: int) -> float:
-        ids = self.local_batch(step)
+        if self.examples is not None:
+            batch, counted = self.example_batch(step)
+            ids, target = batch["input_ids"], batch["labels"]
+            assert self.built is not None
+            # each micro-batch's loss: its tokens' sum over its share of the step's count
+            self.counted_loss.per_micro = counted / (self.cfg.dp * self.layout.micro_steps)
+        else:
+            ids = target = self.local_batch(step)
         with self.autocast():
-            loss = pipe.step(ids, target=ids)
+            loss = pipe.step(ids, target=target)
         value = self.from_last_stage(None if loss is None else loss.detach().clone())
         assert self.built is not None
         self.built.reduce_gradients()  # DDP replicas of a pipeline (FSDP2 reduces itself)
@@ -549,9 +609,30 @@ def _zoo_stacks(cfg: TrainConfig, model: nn.Module) -> list[str] | None:
     return zoo.layer_paths(cfg.model) if cfg.model_kind == "zoo" else None
 
 
-def _step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The training loss of one batch of token windows."""
+def _step_loss(model: nn.Module, ids: torch.Tensor | dict[str, torch.Tensor],
+               items: torch.Tensor | None = None) -> torch.Tensor:
+    """The training loss of one batch of token windows, or of examples (a dict with
+    ``labels``; the loss summed over their response tokens and divided by ``items``)."""
+    if isinstance(ids, dict):
+        return model(**ids, num_items_in_batch=items, **no_cache_kwargs(model)).loss
     return model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss
+
+
+class _CountedLoss:
+    """A pipeline's last-stage loss for examples: ``loss_fn``'s mean over a micro-batch's
+    response tokens, times their number, over ``per_micro`` (set each step)."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.per_micro: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        counted = (target[:, 1:] != -100).sum()
+        mean = self.loss_fn(logits, target)
+        assert self.per_micro is not None
+        if int(counted) == 0:
+            return mean.nan_to_num() * 0  # no response token here: nothing to learn
+        return mean * counted / self.per_micro
 
 
 def _check_finite(value: float, step: int, optimizer: torch.optim.Optimizer,

@@ -81,9 +81,25 @@ def check_config(cfg: TrainConfig) -> None:
     get_embeddings: Callable[[], nn.Module] = getattr(model, "get_input_embeddings")  # noqa: B009
     vocab = int(getattr(get_embeddings(), "num_embeddings"))  # noqa: B009
     _check_data(cfg, load_data(cfg), vocab)
+    if cfg.pack:
+        _check_pack(cfg, model)
     _check_outputs(cfg)
     if cfg.save_dir:
         check_run_dir(cfg)
+
+
+def _check_pack(cfg: TrainConfig, model: nn.Module) -> None:
+    """Packed examples need attention that keeps them apart, and a layout that passes
+    their position ids to every layer."""
+    from . import chat_data
+
+    chat_data.check_packing(usercode.inner_module(model))
+    if cfg.pp > 1 or cfg.cp > 1:
+        raise TrainOptionError(
+            f"--pack with --pp {cfg.pp} --cp {cfg.cp}: a pipeline's stages and context "
+            "parallelism's split do not carry the packed examples' position ids",
+            primitive=_PRIMITIVE, values={"pack": True, "pp": cfg.pp, "cp": cfg.cp},
+            fix="leave --pack out (examples padded one a row), or train with --tp / --dp")
 
 
 def _check_model(cfg: TrainConfig, model: nn.Module) -> None:

@@ -11,6 +11,7 @@ model, its schedule and its layout.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from ..runtime.materialise import init_empty_weights
 from ..runtime.model_check import check_config_sizes
 from ..schedules import zoo
 from ..tools import usercode
-from . import data
+from . import chat_data, data
 from .jobconfig import TrainConfig, TrainOptionError
 
 __all__ = ["Corpus", "count_parameters", "layer_lists", "layout_text", "load_data", "make_model",
@@ -48,12 +49,24 @@ class Corpus:
     description: str
     largest: int | None = None
     """The largest token id, when known without reading the tokens again (``--data``)."""
+    examples: Any = None
+    """Instruction or chat examples (``--data`` of ``.jsonl`` files:
+    :class:`~torchloom.apps.chat_data.ExampleCorpus`); ``train`` is then empty."""
 
 
 def load_data(cfg: TrainConfig) -> Corpus:
     """The run's tokens (cached per process; see :mod:`torchloom.apps.data`)."""
     folder = cfg.model if cfg.model_kind == "folder" and data.has_tokenizer(cfg.model) else None
     largest = None
+    if cfg.data and chat_data.is_example_data(cfg.data):
+        examples = _examples(tuple(cfg.data), folder, cfg.seq_len, cfg.pack)
+        return Corpus(torch.empty(0, dtype=torch.int64), None, folder, examples.description,
+                      examples.largest, examples)
+    if cfg.pack:
+        raise data.DataError(
+            "--pack packs instruction or chat examples, and --data is not .jsonl examples",
+            primitive=_PRIMITIVE, values={"data": list(cfg.data), "pack": True},
+            fix="--data train.jsonl --pack (one JSON example a line), or leave --pack out")
     if cfg.data:
         info = data.token_info(tuple(cfg.data), folder)
         tokens, largest, files = info.tokens, info.largest, info.files
@@ -73,6 +86,12 @@ def load_data(cfg: TrainConfig) -> Corpus:
     return Corpus(train, held_out, folder, text, largest)
 
 
+@functools.lru_cache(maxsize=2)
+def _examples(paths: tuple[str, ...], folder: str | None, seq_len: int, pack: bool) -> Any:
+    """The examples of ``paths`` (cached per process: the checks and the run share them)."""
+    return chat_data.load_examples(paths, folder, seq_len, pack=pack)
+
+
 def _eval_count(cfg: TrainConfig, corpus: Corpus) -> int:
     """Evaluation batches that fit the held-out tokens."""
     assert corpus.held_out is not None
@@ -81,7 +100,19 @@ def _eval_count(cfg: TrainConfig, corpus: Corpus) -> int:
 
 
 def _check_data(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
-    if corpus.train.numel() <= cfg.seq_len:
+    if corpus.examples is not None and cfg.eval_every:
+        raise data.DataError(
+            "--eval-every holds out the tail of a text; with .jsonl examples there is no "
+            "held-out split yet", primitive=_PRIMITIVE,
+            values={"data": list(cfg.data), "eval_every": cfg.eval_every},
+            fix="leave --eval-every out (watch the answers with --sample-every N)")
+    if corpus.examples is not None and cfg.cp > 1:
+        raise data.DataError(
+            f"--cp {cfg.cp} splits token windows along the sequence; .jsonl examples (masked "
+            "labels, a loss over the response tokens) are not split yet", primitive=_PRIMITIVE,
+            values={"data": list(cfg.data), "cp": cfg.cp},
+            fix="train examples with --tp / --dp / --pp")
+    if corpus.examples is None and corpus.train.numel() <= cfg.seq_len:
         raise data.DataError(
             f"the training text holds {corpus.train.numel():,} tokens, not more than one "
             f"window of --seq-len {cfg.seq_len}", primitive=_PRIMITIVE,

@@ -381,3 +381,11 @@ class ExpertParallelError(OpsError):
 
 
 __all__ += ["ExpertParallelError"]
+
+
+class LoraError(ScheduleError):
+    """LoRA adapters that ``lora`` cannot add, train or write as asked
+    (:mod:`torchloom.primitives.lora`, :mod:`torchloom.runtime.lora_files`)."""
+
+
+__all__ += ["LoraError"]

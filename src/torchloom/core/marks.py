@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CHECKPOINTED", "COMPILED", "CONTEXT_PARALLEL", "EXPERT_PARALLEL", "FOREIGN_IDS", "FORK_RNG", "KEY_ORDER", "LEAF", "META",
+__all__ = ["CHECKPOINTED", "COMPILED", "CONTEXT_PARALLEL", "EXPERT_PARALLEL", "FOREIGN_IDS", "FORK_RNG", "KEY_ORDER", "LEAF", "LORA", "META",
            "PIPELINE_CUT", "PRETRAINED_INFO", "SYNCS", "TIED_KEYS", "WEIGHT_SPEC", "get_mark",
            "has_mark", "mark_attr", "marks_of", "pop_mark", "set_mark", "transfer_hooks"]
 
@@ -38,6 +38,9 @@ CONTEXT_PARALLEL = "context_parallel"
 #: An experts module's expert-parallel state
 #: (:class:`~torchloom.runtime.expert_dispatch.EPState`, ``expert_parallel``).
 EXPERT_PARALLEL = "expert_parallel"
+#: The module below which ``lora`` added adapters
+#: (:class:`~torchloom.primitives.lora.LoraState`).
+LORA = "lora"
 #: The module ends a pipeline stage (``cut_pipeline_stage``).
 PIPELINE_CUT = "pipeline_cut"
 #: A class attribute: torchloom wrappers that the tracer keeps as leaves.

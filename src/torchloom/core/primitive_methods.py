@@ -93,6 +93,12 @@ class PrimitiveMethods:
         """Compile a found subgraph into one module (``torchloom.primitives.fuse``)."""
         _unregistered("fuse")
 
+    def lora(self, r: int, alpha: float, targets: list[str], dropout: float = 0.0,
+             seed: int = 0) -> None:
+        """LoRA adapters on the named linear layers, the rest frozen
+        (``torchloom.primitives.lora``)."""
+        _unregistered("lora")
+
     def replace(self, new_mod_or_fn: Any, target_ops: Any = None, name: str | None = None,
                 concrete_args: dict[str, Any] | None = None) -> None:
         """Swap the module or a subgraph (``torchloom.primitives.replace``)."""

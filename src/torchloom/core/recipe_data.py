@@ -58,7 +58,7 @@ class RecipeEntry:
     ...
     torchloom.core.errors.RecipeError: RecipeEntry(...): unknown primitive '__setattr__'
         values: primitive='__setattr__'
-        fix: use one of the primitives: annotate, checkpoint, compile, cut_pipeline_stage, decompose, divide_attrs, fork_rng, fuse, replace, replace_all, shard, sync, trace, trace_until
+        fix: use one of the primitives: annotate, checkpoint, compile, cut_pipeline_stage, decompose, divide_attrs, fork_rng, fuse, lora, replace, replace_all, shard, sync, trace, trace_until
     """
 
     primitive: str

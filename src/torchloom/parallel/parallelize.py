@@ -77,7 +77,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import LayoutError, ModelSizeError
-from ..core.marks import CHECKPOINTED, CONTEXT_PARALLEL, get_mark, has_mark
+from ..core.marks import CHECKPOINTED, CONTEXT_PARALLEL, LORA, get_mark, has_mark, set_mark
 from ..core.rules import layer_stacks
 from ..core.schedule import Schedule, join_path
 from ..core.schedule import create_schedule as _create_schedule
@@ -97,6 +97,7 @@ from .context_pipeline import (
     local_inputs,
 )
 from .layout import Layout
+from .lora import LoraSpec, apply_lora
 from .mesh import PIECES
 
 __all__ = ["Parallelized", "create_schedule", "loss_plan", "mp_policy", "parallelize"]
@@ -146,6 +147,8 @@ class Parallelized:
     """The linear layers made torchao ``Float8Linear`` (``layout.float8``)."""
     experts: list[str] = field(default_factory=list)
     """The experts modules whose experts are split over the ``ep`` ranks (``layout.ep``)."""
+    lora: LoraSpec | None = None
+    """The LoRA adapters added (``lora=``): only they train."""
 
     @property
     def fsdp(self) -> bool:
@@ -172,7 +175,8 @@ class Parallelized:
         return next_token_loss(self.loss, self.loss_group)
 
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())
+        """The parameters that train (all of them, or LoRA's adapters: the base is frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def autocast(self, device_type: str) -> Any:
         """The compute dtype's autocast (the layout's ``mixed_precision``) where FSDP2's
@@ -398,7 +402,8 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
                 loss_fn: Callable[..., torch.Tensor] | None = None, schedule_at: str = "",
                 apply_schedule: bool = True, knobs: dict[str, Any] | None = None,
                 stacks: list[str] | None = None,
-                before_build: Callable[[], None] | None = None) -> Parallelized:
+                before_build: Callable[[], None] | None = None,
+                lora: LoraSpec | None = None) -> Parallelized:
     """Apply ``layout`` to the model of ``sch`` and build it (see the module docstring).
 
     Args:
@@ -421,6 +426,9 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         stacks: the stacks of layers (full paths); default
             :func:`~torchloom.core.rules.layer_stacks` of the module at ``schedule_at``.
         before_build: called just before build (the random initialisation's seed).
+        lora: LoRA adapters (:mod:`torchloom.parallel.lora`) on the model at
+            ``schedule_at``, after its schedule and before the pipeline cuts: only they
+            train (:meth:`Parallelized.parameters`).
 
     Raises:
         LayoutError: the degrees do not multiply to the world size, the schedule's group
@@ -449,6 +457,13 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         done.experts, ignored = _experts(root, mesh, schedule_at)
         done.groups["experts"] = PIECES["experts"]
     done.stacks = _stacks(sch, schedule_at, stacks)
+    # (LoRA: adapters on the sharded layers, the rest frozen)
+    if lora is not None:
+        if layout.float8:
+            raise _fail("Float8 replaces the linear layers LoRA adapts", {"float8": True,
+                        "lora": lora.text()}, "Layout(float8=False) with LoRA")
+        apply_lora(root, lora)
+        done.lora = lora
     # (Float8: the layers' linear layers, after their shards and syncs, with replace)
     if layout.float8:
         done.float8 = apply_float8(sch, done.stacks)
@@ -496,6 +511,8 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
                         example_inputs=micro, device=device, weights=weights,
                         strict=strict, stage_wrapper=wrapper)
         done.model = done.module = pipe
+        if lora is not None:  # what the adapters are, for save_adapter on the stages
+            set_mark(pipe, LORA, get_mark(root.mod, LORA))
         if cp_state is not None:
             done.model = ContextParallelPipeline(pipe, cp_state)
         done.ties = {id(p): dist.get_world_size(g) for p, g in pipe.ties}

@@ -4,7 +4,7 @@
 
 >>> list_primitives()  # doctest: +NORMALIZE_WHITESPACE
 ['annotate', 'checkpoint', 'compile', 'cut_pipeline_stage', 'decompose', 'divide_attrs',
- 'fork_rng', 'fuse', 'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
+ 'fork_rng', 'fuse', 'lora', 'replace', 'replace_all', 'shard', 'sync', 'trace', 'trace_until']
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from . import (  # noqa: F401 - imported to register them
     find,
     fork_rng,
     fuse,
+    lora,
     replace,
     replace_all,
     shard,

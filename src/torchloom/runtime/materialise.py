@@ -570,6 +570,14 @@ class _Builder:
         self.by_key.clear()
 
 
+def _is_adapter(tensor: torch.Tensor) -> bool:
+    """A LoRA adapter the ``lora`` primitive made (real, initialised)."""
+    from ..core.meta import has_meta, get_meta
+    from .adapters import TAG
+
+    return not tensor.is_meta and has_meta(tensor) and bool(get_meta(tensor).tags.get(TAG))
+
+
 def _materialise(sch: Any, init_weights: Any, dev: torch.device,
                  param_init_fn: Callable[..., Any] | None, init: str,
                  weights: str | os.PathLike | None, strict: bool,
@@ -606,6 +614,8 @@ def _materialise(sch: Any, init_weights: Any, dev: torch.device,
                     # every rank checks the whole model (a pipeline rank too), so that
                     # all ranks refuse a folder together
                     located = plan.locate(t, e.full_shape)
+                    if located is None and _is_adapter(e.orig):
+                        continue  # made by the lora primitive: a weights folder has none
                     if located is None:
                         missing.append(e.name)
                     elif e.mode != _ELSEWHERE:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import PretrainedError
+from .adapter_files import adapter_keys, merged_plan
 from .collectives import group_rank, group_size
 from .gather_plan import _dtype, _Entry, _fetch, _Plan, _plan_for, gather_full_state_dict
 from .gather_plan import local_entries as local_entries
@@ -231,7 +232,8 @@ def _write_error(exc: Exception, path: str) -> PretrainedError:
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", group: Any = None) -> None:
+                    max_shard_size: int | str = "5GB", group: Any = None,
+                    merge_adapters: bool = False) -> None:
     """Write ``model`` (scheduled, sharded, pipelined or plain) as a Hugging Face folder at
     ``path`` that transformers' ``from_pretrained`` loads into the unmodified model class.
 
@@ -247,6 +249,10 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
             holds at once.
         group: the tensor-parallel group the model was scheduled with (``sch.group``;
             None: the default group).
+        merge_adapters: a model with LoRA adapters (the ``lora`` primitive) is written
+            merged: each adapted weight ``W + alpha / r * B @ A`` under its original key
+            (:func:`~torchloom.runtime.adapter_files.merged_plan`). Without it such a
+            model is refused (``torchloom.save_adapter`` writes the adapters alone).
 
     Raises:
         PretrainedError: on every rank, for a path it must not replace, a bad
@@ -283,6 +289,17 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
         raise
     if extras[0] is not None:
         raise extras[0]
+    if adapter_keys(plan):
+        if not merge_adapters:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise PretrainedError(
+                f"the model has LoRA adapters ({len(adapter_keys(plan))} layers): a Hugging "
+                "Face folder of the model class has no place for them", primitive=primitive,
+                values={"path": path, "adapted_layers": sorted(adapter_keys(plan))[:3]},
+                fix="write the adapters: torchloom.save_adapter(model, path), or the merged "
+                "model: torchloom.save_pretrained(model, path, merge_adapters=True)")
+        plan, local = merged_plan(plan, local, model)
     info = describe_model(model)
     failure = _write_folder(plan, local, info, path, tmp or "", max_bytes)
     if group_size() > 1:

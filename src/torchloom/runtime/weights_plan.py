@@ -29,6 +29,7 @@ from torch import nn
 
 from ..core.meta import ShardSpec
 from ..core.schedule import join_path
+from .adapters import checkpoint_key, lora_layer_paths
 from .weights_source import WeightsSource, _all_finite, _io_error, _is_float, _mismatch, _short
 
 __all__ = ["ModelTensor", "Located", "WeightsPlan", "model_keys"]
@@ -59,6 +60,8 @@ def model_keys(module: nn.Module, prefix: str = "") -> list[ModelTensor]:
     """
     out: dict[int, ModelTensor] = {}
     declared_parts: list[tuple[torch.Tensor, str, tuple[list[str], int]]] = []
+    # a LoRA layer's base keeps the key it had before the wrap (no ".base_layer")
+    layers = {join_path(prefix, p) for p in lora_layer_paths(module)}
     for path, mod in module.named_modules(prefix=prefix):
         declared = getattr(mod, "torchloom_checkpoint_parts", None)
         if callable(declared):
@@ -80,7 +83,7 @@ def model_keys(module: nn.Module, prefix: str = "") -> list[ModelTensor]:
             entry = out.get(id(tensor))
             if entry is None:
                 entry = out[id(tensor)] = ModelTensor(tensor, persistent=persistent)
-            entry.keys.append(join_path(path, name))
+            entry.keys.append(checkpoint_key(join_path(path, name), layers))
     for tensor, key, value in declared_parts:
         if id(tensor) in out:
             out[id(tensor)].parts[key] = value

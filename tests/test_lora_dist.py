@@ -1,0 +1,121 @@
+"""LoRA fine-tuning under tensor parallelism, FSDP2 and a pipeline equals one process
+(issue 29), on two gloo ranks in one launch: ``torchloom train --lora`` of a tiny Llama
+and a tiny Qwen2 (transformers' default configs, sizes shrunk, read from
+``save_pretrained`` folders) at ``--tp 2``, ``--dp 2 --dp-mode fsdp`` and ``--pp 2``, and
+of chat examples (``.jsonl``, only the responses in the loss) at ``--tp 2`` with packing,
+``--dp 2 --dp-mode fsdp`` with packing and ``--pp 2``. Each run is compared with the same
+run in one process (made by the test before the launch): the loss and the global
+gradient norm of every step (the norm of the adapters' gradients: a gradient summed or
+averaged over the wrong ranks changes it; Adam's update would hide a scale) within 1e-5
+relative, and the adapter folder each writes (peft's form) within 1e-5 of the
+single-process one within 1e-3 of its largest value (Adam divides each gradient by its own
+magnitude, so the rounding of a gradient near zero, as ``B``'s first ones, shows in the
+value; the losses and norms, which depend on every adapter, are the 1e-5 check). fp32 throughout;
+the adapters' dropout is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from tests.dist import spawn
+
+ROOT_ENV = "TORCHLOOM_TEST_LORA_ROOT"
+SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, vocab_size=256, max_position_embeddings=128)
+FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+LAYOUTS = {"tp2": dict(tp=2), "fsdp2": dict(dp=2, dp_mode="fsdp"),
+           "pp2": dict(pp=2, n_microbatches=2)}
+TARGETS = "r=4,alpha=8,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj"
+
+
+def _runs(root: str) -> dict[str, dict]:
+    """name -> TrainConfig options of every compared run (without the layout)."""
+    runs = {}
+    for family in FAMILIES:
+        for layout in LAYOUTS:
+            runs[f"{family}-{layout}"] = dict(
+                model=os.path.join(root, family), steps=3, batch_size=4, seq_len=32,
+                lora=TARGETS, clip_grad=1e9, lr=1e-2, seed=1)
+    chat = os.path.join(root, "chat.jsonl")
+    for layout in LAYOUTS:
+        runs[f"chat-{layout}"] = dict(
+            model=os.path.join(root, "llama"), steps=3, batch_size=4, seq_len=48, data=(chat,),
+            lora="r=4,alpha=8,targets=q_proj,v_proj", clip_grad=1e9, lr=1e-2,
+            pack=layout != "pp2")
+    return runs
+
+
+def _train(name: str, options: dict, out: str, **layout) -> dict:
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    records: list[dict] = []
+    cfg = TrainConfig(**options, **layout, save_pretrained=out, progress=False)
+    result = train_rank(0 if not torch.distributed.is_initialized()
+                        else torch.distributed.get_rank(), cfg, report=records.append)
+    norms = [r["grad_norm"] for r in records if r["kind"] == "step"]
+    return {"losses": result["losses"], "norms": norms}
+
+
+def _compare(rank: int) -> None:
+    from safetensors.torch import load_file
+
+    root = os.environ[ROOT_ENV]
+    for name, options in _runs(root).items():
+        layout = LAYOUTS[name.rsplit("-", 1)[1]]
+        got = _train(name, options, os.path.join(root, "out", name), **layout)
+        with open(os.path.join(root, "one", name + ".json"), encoding="utf-8") as f:
+            want = json.load(f)
+        for key in ("losses", "norms"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (name, key, got, want)
+        if rank == 0:
+            ours = load_file(os.path.join(root, "out", name, "adapter_model.safetensors"))
+            one = load_file(os.path.join(root, "one", name, "adapter_model.safetensors"))
+            assert sorted(ours) == sorted(one), name
+            for key, value in one.items():
+                diff = (ours[key] - value).abs().max().item()
+                # Adam divides each gradient by its own magnitude: an element whose gradient
+                # is ~0 turns rounding into a visible step (B starts at zero), so the
+                # values get 1e-3 of their largest (a wrong shard is off by its size)
+                assert diff <= 1e-3 * value.abs().max().item() + 1e-7, \
+                    (name, key, diff, value.abs().max().item())
+
+
+def _chat_rows() -> list[str]:
+    rows = []
+    for i in range(16):
+        if i % 2:
+            rows.append(json.dumps({"prompt": f"add {i} and {i + 1}:",
+                                    "response": f" {2 * i + 1}."}))
+        else:
+            rows.append(json.dumps({"messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": f"name {i}"},
+                {"role": "assistant", "content": "n" * (i % 5 + 1)}]}))
+    return rows
+
+
+@pytest.mark.slow
+def test_lora_at_every_layout_equals_one_process(tmp_path) -> None:
+    root = str(tmp_path)
+    for family, (config_cls, model_cls) in FAMILIES.items():
+        torch.manual_seed(0)
+        model_cls(config_cls(**SIZES)).save_pretrained(os.path.join(root, family))
+    with open(os.path.join(root, "chat.jsonl"), "w", encoding="utf-8") as f:
+        f.write("\n".join(_chat_rows()) + "\n")
+    os.makedirs(os.path.join(root, "one"))
+    for name, options in _runs(root).items():
+        result = _train(name, options, os.path.join(root, "one", name))
+        with open(os.path.join(root, "one", name + ".json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+    os.environ[ROOT_ENV] = root
+    try:
+        spawn(_compare, world=2, timeout_s=600)
+    finally:
+        del os.environ[ROOT_ENV]
