@@ -62,6 +62,7 @@ def test_the_checkpoint_records_the_run_configuration(finished_run):
         "dp": 1, "dp_mode": "ddp", "dp_replicate": 1, "pp": 1, "pipeline_schedule": "1F1B",
         "stages_per_rank": None, "stage_cuts": None, "n_microbatches": 4, "sequence_parallel": False,
         "ckpt_ratio": 0.0, "ac": None, "deterministic": True, "loss": "chunked", "float8": False,
+        "lora": None, "lora_base_dtype": "fp32", "pack": False,
         "recipe": "import torchloom\n\nsch = torchloom.create_schedule(model)"}
 
 

@@ -52,11 +52,11 @@ from .graph.pattern import Match, ModulePattern, Pattern
 from .parallel import Layout, Parallelized, parallelize
 from .primitives import list_primitives
 from .runtime import state
+from .runtime.adapter_files import save_adapter
 from .runtime.agree import check_ranks_agree
 from .runtime.build import build
 from .runtime.gather import CheckpointMismatchError, full_optimizer_state_dict, full_state_dict
 from .runtime.materialise import init_empty_weights
-from .runtime.adapter_files import save_adapter
 from .runtime.pretrained import save_pretrained
 from .runtime.process_group import init_distributed
 from .runtime.rng import set_random_seed

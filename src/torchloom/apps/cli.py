@@ -128,8 +128,11 @@ def train(
                              f"{', '.join(zoo.SIZES)}."),
     data_paths: list[str] = typer.Option(None, "--data", help="A text file or folder (every "
                                          "file below it); repeat for more. Tokenised by the "
-                                         "model folder's tokenizer, else as bytes. Default: "
-                                         "Python's standard-library source."),
+                                         "model folder's tokenizer, else as bytes; or "
+                                         ".jsonl examples ({\"messages\": [...]} or "
+                                         "{\"prompt\", \"response\"}: only the responses "
+                                         "in the loss). Default: Python's standard-library "
+                                         "source."),
     eval_fraction: float = typer.Option(_train_default("eval_fraction"), help="With "
                                         "--eval-every: the share of the tokens (the tail) held "
                                         "out for evaluation."),
@@ -217,7 +220,26 @@ def train(
                                    "learning-rate schedule stays that of --steps."),
     save_pretrained: str = typer.Option(None, help="At the end, write the trained model (and "
                                         "the folder's tokenizer) here as a transformers "
-                                        "folder."),
+                                        "folder; with --lora the adapter folder (peft's "
+                                        "PeftModel.from_pretrained loads it)."),
+    lora: str = typer.Option(None, help="LoRA fine-tuning (peft): adapters on the named "
+                             "linear layers, the rest frozen, e.g. "
+                             "r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]."),
+    lora_base_dtype: str = typer.Option(_train_default("lora_base_dtype"), help="With --lora: "
+                                        "the frozen base's dtype, fp32 or bf16 (the adapters "
+                                        "train in fp32)."),
+    merge: bool = typer.Option(False, "--merge", help="With --lora and --save-pretrained: "
+                               "also write the merged model to FOLDER/merged."),
+    pack: bool = typer.Option(False, "--pack", help="With .jsonl examples: pack them into "
+                              "full sequences (position ids restart, no attention across "
+                              "examples)."),
+    sample_every: int = typer.Option(_train_default("sample_every"), help="Print the model's "
+                                     "answer to --sample-prompt every N steps and at the end "
+                                     "(0: never)."),
+    sample_prompt: str = typer.Option(_train_default("sample_prompt"), help="The prompt of "
+                                      "--sample-every (the tokenizer's chat template applies)."),
+    sample_tokens: int = typer.Option(_train_default("sample_tokens"), help="Tokens a sample "
+                                      "generates (greedy)."),
     metrics: str = typer.Option(None, help="Append one JSON line per step and per "
                                 "evaluation to this file."),
     tensorboard: str = typer.Option(None, help="Also write TensorBoard events here (needs "
@@ -233,7 +255,8 @@ def train(
                                   "dies ends the run soon after."),
 ) -> None:
     """Train a zoo model, a model folder or a config under its built-in schedule, on local
-    text or Python's source; resumable bit for bit."""
+    text, instruction / chat examples (.jsonl) or Python's source, all weights or LoRA
+    adapters; resumable bit for bit."""
     from ..runtime import launch
     from .jobconfig import options
     from .train import check_config, check_launch
@@ -286,8 +309,14 @@ def train(
         if int(step) == first + len(losses) - 1:
             print(f"held-out loss at step {step}: {loss:.4f}", flush=True)
     if cfg.save_pretrained and losses and first + len(losses) - 1 == cfg.steps:
-        print(f"wrote {cfg.save_pretrained} (transformers' from_pretrained loads it)",
-              flush=True)
+        if cfg.lora:
+            print(f"wrote the adapter to {cfg.save_pretrained} (peft's "
+                  "PeftModel.from_pretrained loads it; torchloom generate answers with it)"
+                  + (f" and the merged model to {cfg.save_pretrained}/merged" if cfg.merge
+                     else ""), flush=True)
+        else:
+            print(f"wrote {cfg.save_pretrained} (transformers' from_pretrained loads it)",
+                  flush=True)
 
 
 # --------------------------------------------------------------------------- tune, verify

@@ -46,6 +46,9 @@ class Reporter:
             self.line(f"resumed step {record['step']} from {record['checkpoint']}" + (
                 f"; the layout changed ({', '.join(changes)}): the checkpoint was resharded "
                 "on load" if changes else ""))
+        elif kind == "sample":
+            self.line(f"sample step {record['step']:>5}  > {record['prompt']}\n"
+                      f"{record['answer']}")
         elif kind == "eval":
             loss = record["eval_loss"]
             ppl = math.exp(loss) if loss < 50 else float("inf")

@@ -491,9 +491,12 @@ def _check_lora(c: TrainConfig) -> None:
                     {"merge": True, "lora": c.lora, "save_pretrained": c.save_pretrained})
     if not isinstance(c.sample_prompt, str) or not c.sample_prompt:
         raise _fail("sample_prompt", c.sample_prompt, "must be a non-empty text", "Hello")
-    if c.sample_every and c.pp > 1:
-        raise _fail("sample_every", c.sample_every, "samples from a pipelined model are not "
-                    "supported yet", 0, {"sample_every": c.sample_every, "pp": c.pp})
+    if c.sample_every and (c.pp > 1 or c.cp > 1 or c.sequence_parallel):
+        raise _fail("sample_every", c.sample_every, "samples from a pipelined, context-"
+                    "parallel or sequence-parallel model are not supported yet (a prompt's "
+                    "length need not split over the ranks)", 0,
+                    {"sample_every": c.sample_every, "pp": c.pp, "cp": c.cp,
+                     "sequence_parallel": c.sequence_parallel})
 
 
 def _check_combinations(c: TrainConfig) -> None:

@@ -63,6 +63,7 @@ from ..core.errors import NonFiniteLossError
 from ..core.meta import shard_spec
 from ..core.outputs import no_cache_kwargs
 from ..parallel import Parallelized, checkpoint_group, create_schedule, init_mesh, parallelize
+from ..parallel.lora import parse_lora
 from ..runtime.collectives import guard_collective
 from ..runtime.loop import lr_at, train_step
 from ..runtime.rng import get_rng_tracker, set_random_seed
@@ -73,12 +74,12 @@ from ..runtime.state import (
 )
 from ..schedules import zoo
 from ..tools import usercode
-from ..parallel.lora import parse_lora
 from . import chat_data, data
 from .jobconfig import RUN_FIELDS, TrainConfig, TrainOptionError
 from .train_checkpoints import compare, run_config
 from .train_checks import _check_memory as _check_memory
 from .train_checks import check_config, check_launch
+from .train_examples import CountedLoss, sample_answer
 from .train_model import (
     _eval_count,
     count_parameters,
@@ -460,7 +461,7 @@ class _Run:
         if cfg.pp > 1 and self.examples is not None:
             # examples: the loss over the step's response tokens, not a mean per micro-batch
             schedule = built.model.schedule
-            self.counted_loss = _CountedLoss(schedule._loss_fn)
+            self.counted_loss = CountedLoss(schedule._loss_fn)
             schedule._loss_fn = self.counted_loss
         return built.model, built.module, built.parameters(), built.ties, sch
 
@@ -506,6 +507,11 @@ class _Run:
                     record = {"kind": "eval", "step": step, "eval_loss": evals[step]}
                     metrics.write(record)
                     self.report(record)
+                if cfg.sample_every and (step % cfg.sample_every == 0 or step == last):
+                    record = {"kind": "sample", "step": step, "prompt": cfg.sample_prompt,
+                              "answer": self.sample(model)}
+                    metrics.write(record)
+                    self.report(record)
                 self.maybe_save(module, optimizer, config, step, last)
             if cfg.save_pretrained and last == cfg.steps:
                 self.save_pretrained(module if cfg.pp > 1 else model)
@@ -533,7 +539,7 @@ class _Run:
         total = torch.zeros((), device=self.device)
         for i, ids in enumerate(chunks):
             with self.no_sync(model, i < len(chunks) - 1), self.autocast():
-                loss = _step_loss(model, ids, items)
+                loss = _step_loss(model, ids) if items is None else _step_loss(model, ids, items)
             (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
             total = total + loss.detach().float()
         assert self.built is not None
@@ -560,6 +566,11 @@ class _Run:
         assert self.built is not None
         self.built.reduce_gradients()  # DDP replicas of a pipeline (FSDP2 reduces itself)
         return self.dp_mean(value)
+
+    def sample(self, model: Any) -> str:
+        """The model's greedy answer to ``sample_prompt`` (:func:`~torchloom.apps.train_examples.sample_answer`)."""
+        assert self.built is not None
+        return sample_answer(model, self.built, self.cfg, self.corpus.tokenizer, self.device)
 
     @torch.no_grad()
     def evaluate(self, model: Any) -> float:
@@ -616,23 +627,6 @@ def _step_loss(model: nn.Module, ids: torch.Tensor | dict[str, torch.Tensor],
     if isinstance(ids, dict):
         return model(**ids, num_items_in_batch=items, **no_cache_kwargs(model)).loss
     return model(input_ids=ids, labels=ids, **no_cache_kwargs(model)).loss
-
-
-class _CountedLoss:
-    """A pipeline's last-stage loss for examples: ``loss_fn``'s mean over a micro-batch's
-    response tokens, times their number, over ``per_micro`` (set each step)."""
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.loss_fn = loss_fn
-        self.per_micro: torch.Tensor | None = None
-
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        counted = (target[:, 1:] != -100).sum()
-        mean = self.loss_fn(logits, target)
-        assert self.per_micro is not None
-        if int(counted) == 0:
-            return mean.nan_to_num() * 0  # no response token here: nothing to learn
-        return mean * counted / self.per_micro
 
 
 def _check_finite(value: float, step: int, optimizer: torch.optim.Optimizer,

@@ -572,7 +572,7 @@ class _Builder:
 
 def _is_adapter(tensor: torch.Tensor) -> bool:
     """A LoRA adapter the ``lora`` primitive made (real, initialised)."""
-    from ..core.meta import has_meta, get_meta
+    from ..core.meta import get_meta, has_meta
     from .adapters import TAG
 
     return not tensor.is_meta and has_meta(tensor) and bool(get_meta(tensor).tags.get(TAG))
