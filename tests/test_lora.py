@@ -12,7 +12,6 @@ the same text twice. The layouts are in tests/test_lora_dist.py.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import peft

@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -212,13 +212,13 @@ def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: floa
     generator = torch.Generator().manual_seed(seed)
     partial_grads: list[str] = []
     for path, base in found:
-        layer = sch.mod.get_submodule(path)
+        layer: Any = sch.mod.get_submodule(path)
         if not is_lora_layer(layer) or layer.base_layer is not base:
             raise _fail(sch, f"peft did not wrap the target {path!r}",
                         {"target": path, "module": type(layer).__name__},
                         "name nn.Linear / Conv1D layers in targets")
         _move_forward_hooks(base, layer)
-        weight = base.weight
+        weight = cast(torch.Tensor, base.weight)
         spec = shard_spec(weight)
         full = tuple(spec.full_shape) if spec is not None else tuple(weight.shape)
         out_axis = 1 if _is_conv1d(base) else 0
@@ -227,9 +227,13 @@ def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: floa
         a_full = torch.rand((r, in_full), generator=generator, dtype=torch.float32)
         a_full = a_full * (2 * bound) - bound
         b_full = torch.zeros((out_full, r), dtype=torch.float32)
+        a_spec = b_spec = None
         split = spec is not None and spec.world_size > 1
-        a_spec = _like(spec, 1, (r, in_full)) if split and spec.axis != out_axis else None
-        b_spec = _like(spec, 0, (out_full, r)) if split and spec.axis == out_axis else None
+        if spec is not None and split:
+            if spec.axis == out_axis:
+                b_spec = _like(spec, 0, (out_full, r))
+            else:
+                a_spec = _like(spec, 1, (r, in_full))
         device = weight.device if not weight.is_meta else torch.device("cpu")
         layer.lora_A[ADAPTER].weight = _adapter(a_full, a_spec, device)
         layer.lora_B[ADAPTER].weight = _adapter(b_full, b_spec, device)

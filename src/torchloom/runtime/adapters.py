@@ -13,6 +13,7 @@ Everything here reads the model; nothing imports peft.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -66,7 +67,8 @@ def adapter_parameters(root: nn.Module) -> list[nn.Parameter]:
     seen: dict[int, nn.Parameter] = {}
     for m in root.modules():
         if is_lora_layer(m):
-            for adapters in (m.lora_A, m.lora_B):
+            layer: Any = m
+            for adapters in (layer.lora_A, layer.lora_B):
                 for sub in adapters.values():
                     for p in sub.parameters():
                         seen.setdefault(id(p), p)
