@@ -15,6 +15,10 @@ Two parts, both side by side in one run:
   peak anonymous memory (``RssAnon`` of /proc/self/status, sampled every 2 ms; mapped
   files do not count), its trainable parameters and its optimizer state bytes.
 
+The planner's prediction of the optimizer state (``torchloom.plan.predict(...,
+lora=...)``, AdamW: two fp32 states plus a 4-byte step per tensor) is printed beside the
+counted one; its peak memory against measured steps is tests/test_plan_lora.py.
+
     python benchmarks/lora_memory.py [--json benchmarks/results/lora_memory.json]
 """
 
@@ -40,30 +44,46 @@ from torchloom.schedules import ScheduleConfig, apply_schedule
 LORA = "r=16,alpha=32,targets=q_proj,v_proj"
 
 
+def _trainable(tp: int, lora: bool) -> tuple[int, int]:
+    """(parameters held, trainable parameters) of rank 0 of ``tp`` tensor-parallel ranks."""
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(T.LlamaConfig())
+    sch = tl.create_schedule(model)
+    if tp > 1:
+        apply_schedule(sch, ScheduleConfig(tp=tp))
+    if lora:
+        sch.lora(16, 32, ["q_proj", "v_proj"])
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
 def at_scale() -> dict[str, Any]:
-    """Rank 0 of tp 2: the whole model's and LoRA's trainable numbers (Llama-2-7B shape)."""
+    """Rank 0 of 2: the trainable numbers of full fine-tuning and LoRA at tp 2 (the rank's
+    shards) and FSDP 2 (half of every tensor), Llama-2-7B shape; with the planner's
+    prediction of the optimizer state (AdamW: two fp32 states and a step per tensor)."""
+    from torchloom.parallel.lora import parse_lora
+    from torchloom.plan import Layout, predict
+
     out: dict[str, Any] = {}
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         for lora in (False, True):
-            with torch.device("meta"):
-                model = T.LlamaForCausalLM(T.LlamaConfig())
-            total = sum(p.numel() for p in model.parameters())
-            sch = tl.create_schedule(model)
-            apply_schedule(sch, ScheduleConfig(tp=2))
-            if lora:
-                sch.lora(16, 32, ["q_proj", "v_proj"])
-            held = sum(p.numel() for p in model.parameters())
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            full_trainable = total if not lora else sum(
-                p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-            name = "lora" if lora else "full"
-            out[name] = {"tp2_params_held": held, "tp2_trainable": trainable,
-                         "tp2_optimizer_bytes": 2 * 4 * trainable,
-                         "fsdp2_trainable": full_trainable / 2,
-                         "fsdp2_optimizer_bytes": 2 * 4 * full_trainable / 2}
+            held, trainable = _trainable(2, lora)
+            _, whole = _trainable(1, lora)
+            out["lora" if lora else "full"] = {
+                "tp2_params_held": held, "tp2_trainable": trainable,
+                "tp2_optimizer_bytes": 2 * 4 * trainable,
+                "fsdp2_trainable": whole / 2, "fsdp2_optimizer_bytes": 2 * 4 * whole / 2}
     finally:
         dist.destroy_process_group()
+    config = os.path.join(tempfile.mkdtemp(), "config.json")
+    T.LlamaConfig().to_json_file(config)
+    spec = parse_lora(LORA)
+    for name, layout in (("tp2", Layout(tp=2, micro_batch=1, seq_len=512)),
+                         ("fsdp2", Layout(dp_shard=2, micro_batch=1, seq_len=512))):
+        for kind, lora in (("full", None), ("lora", spec)):
+            pred = predict(config, layout, "h100-80gb", lora=lora)
+            out[kind][f"{name}_planned_optimizer_bytes"] = pred.roles[0].memory.optimizer
     return out
 
 
@@ -136,11 +156,13 @@ def main() -> None:
     args = parser.parse_args()
     scale = at_scale()
     print("Llama-2-7B shape (transformers' default LlamaConfig), rank 0 of 2:")
-    print(f"{'':8} {'tp2 trainable':>15} {'tp2 AdamW bytes':>16} {'fsdp2 trainable':>16} "
-          f"{'fsdp2 AdamW bytes':>18}")
+    print(f"{'':8} {'tp2 trainable':>15} {'tp2 AdamW bytes':>16} {'planned':>16} "
+          f"{'fsdp2 trainable':>16} {'fsdp2 AdamW bytes':>18} {'planned':>16}")
     for name, row in scale.items():
         print(f"{name:8} {row['tp2_trainable']:>15,} {row['tp2_optimizer_bytes']:>16,} "
-              f"{row['fsdp2_trainable']:>16,.0f} {row['fsdp2_optimizer_bytes']:>18,.0f}")
+              f"{row['tp2_planned_optimizer_bytes']:>16,} "
+              f"{row['fsdp2_trainable']:>16,.0f} {row['fsdp2_optimizer_bytes']:>18,.0f} "
+              f"{row['fsdp2_planned_optimizer_bytes']:>16,}")
     ratio = scale["lora"]["tp2_optimizer_bytes"] / scale["full"]["tp2_optimizer_bytes"]
     print(f"LoRA's optimizer state / full fine-tuning's (tp2): {100 * ratio:.3f}%")
     runs = measured()

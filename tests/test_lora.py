@@ -186,3 +186,23 @@ def test_train_lora_on_chat_examples_end_to_end(root, tmp_path) -> None:
                                    "--seed", "3"]) for _ in range(2)]
     assert answers[0].exit_code == 0, answers[0].output
     assert answers[0].stdout == answers[1].stdout and "> hello" in answers[0].stdout
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(root, tmp_path) -> None:
+    from torchloom.apps.train import train_rank
+    from torchloom.runtime.state import list_checkpoints
+
+    common = dict(model=str(root / "qwen2"), steps=4, batch_size=2, seq_len=32,
+                  lora="r=4,alpha=8,targets=q_proj,v_proj", progress=False)
+    whole = train_rank(0, TrainConfig(**common))["losses"]
+    run = str(tmp_path / "run")
+    first = train_rank(0, TrainConfig(**common, save_dir=run, stop_after=2))["losses"]
+    rest = train_rank(0, TrainConfig(**common, save_dir=run, resume=True))["losses"]
+    assert first + rest == whole  # bit for bit
+    ckpt = max(list_checkpoints(run), key=lambda c: c.step)
+    assert ckpt.step == 4 and ckpt.marker["trainable_only"] is True
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = list(FileSystemReader(ckpt.path).read_metadata().state_dict_metadata)
+    model_keys = [k for k in keys if not k.startswith("optim")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys

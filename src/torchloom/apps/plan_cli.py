@@ -437,6 +437,11 @@ def plan_command(
                                        "imbalance under expert parallelism: the busiest "
                                        "rank's share of the routed tokens over the average "
                                        "(1: balanced)."),
+    lora: str = typer.Option(None, help="Plan LoRA fine-tuning (peft adapters, the base "
+                             "frozen), e.g. r=16,alpha=32,targets=q_proj,v_proj: the "
+                             "optimizer state and gradients of the adapters only."),
+    lora_base_dtype: str = typer.Option("fp32", "--lora-base-dtype", help="With --lora: the "
+                                        "frozen base's dtype, fp32 or bf16."),
     pp: int = typer.Option(None, min=1, help="Pipeline stages."),
     dp: int = typer.Option(None, min=1, help="Data-parallel degree."),
     dp_mode: str = typer.Option(None, help="ddp, fsdp or hsdp (default: ddp and fsdp "
@@ -493,6 +498,15 @@ def plan_command(
     """Predict per-GPU memory and step time of a model's layouts on N devices, and find the
     fastest that fits (all on fake tensors in this process: no GPU needed)."""
     console = Console(stderr=json_path == "-")
+    from ..parallel.lora import parse_lora
+
+    lora_spec = parse_lora(lora, base_dtype=lora_base_dtype) if lora else None
+    if lora_spec is not None and measure_top:
+        raise PlanError("--measure-top measures full fine-tuning only for now",
+                        primitive="torchloom plan", values={"lora": lora,
+                                                            "measure_top": measure_top},
+                        fix="plan with --lora without --measure-top (tests/test_plan_lora.py "
+                        "checks LoRA predictions against measured steps)")
     profile = measure_local() if measure else get_profile(gpu)
     if dtype is None:
         dtype = "bf16" if "bf16" in profile.flops and not measure else \
@@ -552,7 +566,7 @@ def plan_command(
                           f"{layout.stages} stages: cut after layers {list(layout.stage_cuts)}"
                           " (Layout(stage_cuts=...), torchloom train --stage-cuts)")
         with console.status("measuring the pieces of a step on fake tensors..."):
-            pred = predict(spec, layout, profile, imbalance=ep_imbalance)
+            pred = predict(spec, layout, profile, imbalance=ep_imbalance, lora=lora_spec)
         console.print(_roles_table(pred))
         console.print(_time_table(pred))
         console.print(_collectives_table(pred))
@@ -563,6 +577,10 @@ def plan_command(
         for note in pred.notes:
             console.print(f"note: {note}")
         cmd, why = train_command(spec, layout, device, profile.gpus_per_node)
+        if lora_spec is not None and cmd:
+            cmd += f" --lora {lora_spec.text()}" + (
+                f" --lora-base-dtype {lora_spec.base_dtype}"
+                if lora_spec.base_dtype != "fp32" else "")
         console.print(f"train it: {cmd}" if cmd else f"torchloom train cannot run it: {why}")
         console.print(legend(), markup=False, highlight=False)
         payload = {"peak_gib": pred.peak / GIB,
@@ -597,10 +615,14 @@ def plan_command(
 
             result = search(spec, gpus, profile, batch_size=batch, seq_len=seq_len,
                             progress=progress, min_headroom=min_headroom,
-                            imbalance=ep_imbalance, **space)
+                            imbalance=ep_imbalance, lora=lora_spec, **space)
         console.print(_search_table(result, top, profile))
         for i, p in enumerate([p for p in result.ranked if result.eligible(p)][:top]):
             cmd, why = train_command(spec, p.layout, device, profile.gpus_per_node)
+            if lora_spec is not None and cmd:
+                cmd += f" --lora {lora_spec.text()}" + (
+                    f" --lora-base-dtype {lora_spec.base_dtype}"
+                if lora_spec.base_dtype != "fp32" else "")
             console.print(f"[bold]#{i + 1}[/] {p.layout.describe()}: {_summary(p)}")
             warning = headroom_warning(p)
             if warning:

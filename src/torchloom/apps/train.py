@@ -380,7 +380,7 @@ class _Run:
         group, writes = checkpoint_group(self.layout, self.mesh)
         if writes:
             self.checkpoint = save(module, optimizer, cfg.save_dir, step, group=group,
-                                   config=config)
+                                   config=config, trainable_only=self.lora is not None)
         if self.world > 1:
             with guard_collective("barrier", _PRIMITIVE):
                 dist.barrier()

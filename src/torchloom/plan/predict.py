@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import PlanError
+from ..parallel.lora import LoraSpec
 from .layout import OPTIMIZERS, Layout, check_model
 from .notes import layout_notes
 from .pipeline import bubble_share, order
@@ -312,14 +313,17 @@ def check_imbalance(imbalance: float) -> None:
 
 def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
             schedule: ScheduleFn | None = None, size: str = "tiny",
-            imbalance: float = 1.0) -> Prediction:
+            imbalance: float = 1.0, lora: LoraSpec | None = None) -> Prediction:
     """Predict every role of ``layout`` for ``model`` on ``profile`` (see the module
     docstring). ``model``: a zoo name (with ``size``), a config path, a model class
     (``model_spec``), or a :class:`~torchloom.plan.spec.ModelSpec`. ``schedule``:
     ``fn(sch, knobs)`` applied instead of the built-in schedule (``knobs``: ``tp``,
     ``sequence_parallel``, ``ckpt_ratio``); it must give the layers the same layout at
     every depth. ``imbalance``: under expert parallelism, the busiest rank's share of the
-    routed tokens over the average (1.0: balanced routing).
+    routed tokens over the average (1.0: balanced routing). ``lora``: LoRA fine-tuning
+    (:class:`~torchloom.parallel.lora.LoraSpec`, as ``torchloom.parallelize(lora=)``
+    builds it): the adapters measured in the layers, the optimizer state and the
+    gradients of the adapters only, no weight-gradient products for the frozen base.
 
     Raises:
         PlanError: a layout the model cannot take (a
@@ -338,7 +342,7 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
                   layout.dp_replicate if layout.dp_shard > 1 else 1,
                   layout.reduce_dtype if layout.dp_shard > 1 else None,
                   "op" if layout.ac == "op" else None, layout.loss, layout.cp, layout.ep,
-                  float(imbalance) if layout.ep > 1 else 1.0)
+                  float(imbalance) if layout.ep > 1 else 1.0, lora)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -460,6 +464,19 @@ def _stage_pieces(mine: range, first: bool, last: bool, layers: _Layers,
     return _fold(fwd, False), _fold(bwd, False), _fold(bwd, True)
 
 
+def _trained(units: Units, layers: int, last: bool, params: int, tensors: int,
+             largest: int) -> tuple[int, int, int]:
+    """The bytes, tensors and largest tensor the optimizer updates on a rank holding
+    ``layers`` layers (and the head part if ``last``): every parameter, or with LoRA the
+    adapters only (measured per layer and outside the layers)."""
+    lora = units.extra.get("trainable")
+    if lora is None:
+        return params, tensors, largest
+    out = layers * lora["L"][0] + (lora["rest"][0] if last else 0)
+    count = layers * lora["L"][1] + (lora["rest"][1] if last else 0)
+    return out, count, max(lora["L"][2], lora["rest"][2] if last else 0)
+
+
 def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelSpec,
                   layout: Layout, profile: Profile, units: Units, cross: Crossing | None,
                   layers: _Layers, ends: tuple[_Piece, _Piece, _Piece, _Piece]) -> _Role:
@@ -487,7 +504,9 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         tensors += units.param_tensors["H"] - (1 if shared else 0)
         largest = max(largest, units.largest["H"])
     states = OPTIMIZERS[layout.optimizer]
-    optimizer = states * params + (STEP_BYTES * tensors if states else 0)
+    trained, trained_tensors, trained_largest = _trained(units, len(mine), last, params,
+                                                         tensors, largest)
+    optimizer = states * trained + (STEP_BYTES * trained_tensors if states else 0)
     model_buffers = units.buffers["E"] + len(mine) * units.buffers["L"]
     ids_bytes = n * layout.micro_batch * layout.seq_len * 8
     if spec.kind == "masked" and pp == 1:
@@ -578,7 +597,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         walk.add(outputs)
         walk.add(-outputs)
     impl = profile.optimizer_impl if not fsdp else "single"
-    transient = (params if impl == "foreach" else 2 * largest) if states else 0
+    transient = (trained if impl == "foreach" else 2 * trained_largest) if states else 0
     walk.add(transient)
     walk.add(-transient)
     prefetch = _prefetch_bytes(layout, profile, units) if mine else 0
@@ -637,10 +656,10 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         dp_exposed = max(dp_time - bwd_compute, dp_time / max(1, len(mine) + 1))
     else:
         dp_exposed = dp_time
-    opt_time = OPTIMIZER_TRAFFIC * params / (profile.memory_bandwidth *
-                                             profile.memory_efficiency) if states else 0.0
+    opt_time = OPTIMIZER_TRAFFIC * trained / (profile.memory_bandwidth *
+                                              profile.memory_efficiency) if states else 0.0
     if states and impl == "single":  # a dozen operators per parameter tensor
-        opt_time += OPTIMIZER_OPS * tensors * profile.op_overhead
+        opt_time += OPTIMIZER_OPS * trained_tensors * profile.op_overhead
     return _Role(rank, len(mine), memory, flops, model_flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)

@@ -224,13 +224,14 @@ def state_lower_bound(layout: Layout, layer_params: int, num_layers: int,
 def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch_size: int,
            seq_len: int, schedule: ScheduleFn | None = None, size: str = "tiny",
            progress: Progress | None = None, min_headroom: float = 0.0,
-           imbalance: float = 1.0, **space: Any) -> SearchResult:
+           imbalance: float = 1.0, lora: Any = None, **space: Any) -> SearchResult:
     """Rank the layouts of ``gpus`` devices for ``model`` (see the module docstring).
     ``space``: the keyword arguments of :func:`enumerate_layouts` (degrees, modes, ratios,
     micro-batch sizes, dtypes, optimizer); ``progress(done, total, what)`` is called
     before each prediction; ``min_headroom``: the share of the usable memory a layout
     must leave free to rank among the first; ``imbalance``: the routing imbalance of
-    expert-parallel layouts (:func:`~torchloom.plan.predict.predict`)."""
+    expert-parallel layouts (:func:`~torchloom.plan.predict.predict`); ``lora``: LoRA
+    fine-tuning (a :class:`~torchloom.parallel.lora.LoraSpec`), for every layout."""
     started = time.perf_counter()
     check_imbalance(imbalance)
     spec = model_spec(model, size=size, seq_len=seq_len)
@@ -263,7 +264,8 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
         if progress is not None:
             progress(i, len(todo), lay.describe())
         try:
-            preds.append(predict(spec, lay, prof, schedule=schedule, imbalance=imbalance))
+            preds.append(predict(spec, lay, prof, schedule=schedule, imbalance=imbalance,
+                                 lora=lora))
         except ScheduleError as err:  # a layout refused, or a schedule the model refuses
             rejected.append((lay, err.problem))
             if lay.sp and space.get("sp") is None:
@@ -272,7 +274,7 @@ def search(model: Any, gpus: int, profile: str | Profile = "h100-80gb", *, batch
                 try:
                     plain = lay.replace(sp=False, async_tp=False)
                     preds.append(predict(spec, plain, prof, schedule=schedule,
-                                         imbalance=imbalance))
+                                         imbalance=imbalance, lora=lora))
                 except ScheduleError as again:
                     rejected.append((lay, f"without sequence parallelism: {again.problem}"))
     if progress is not None:

@@ -104,6 +104,9 @@ class UnitKey:
     cp: int = 1
     ep: int = 1
     imbalance: float = 1.0
+    lora: Any = None
+    """LoRA fine-tuning (a :class:`~torchloom.parallel.lora.LoraSpec`): the adapters
+    added after the schedule, as :func:`torchloom.parallelize` adds them."""
 
     def layout(self) -> Any:
         """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
@@ -249,8 +252,9 @@ def _fake_params(model: nn.Module, mode: Any) -> None:
                         fake = nn.Parameter(fake, requires_grad=t.requires_grad)
                         copy_meta(t, fake)
                         # gradient hooks (sync("param_grad", ...)) stay with the parameter
-                        for hook in (getattr(t, "_backward_hooks", None) or {}).values():
-                            fake.register_hook(hook)
+                        hooks = getattr(t, "_backward_hooks", None) or {}
+                        for hook in hooks.values() if fake.requires_grad else ():
+                            fake.register_hook(hook)  # (a frozen one's never run: LoRA)
                     memo[id(t)] = fake
                 table[name] = memo[id(t)]  # type: ignore[assignment]
 
@@ -375,6 +379,10 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         apply_knobs(sch, spec, knobs, schedule)
         if key.ac == "op":
             sch[spec.layers].checkpoint(ratio=ckpt_layers / depth, policy="op")
+        if key.lora is not None:  # as torchloom.parallelize: after the schedule
+            from ..parallel.lora import apply_lora
+
+            apply_lora(sch, key.lora)
         if key.cp > 1:  # as torchloom.parallelize: after the schedule, over the cp group
             sch.context_parallel(mesh.group("cp") if mesh is not None else None)
         if key.ep > 1:  # likewise, over the ep group
@@ -418,7 +426,22 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
         units.extra["expert_params"] = sum(_nbytes(p) for p in mine)
         units.extra["experts_sharded"] = any(hasattr(p, "to_local") for p in mine)
         units.extra["expert_tensors"] = len(mine)
+        if key.lora is not None:
+            units.extra["trainable"] = _trainable(model, layers[depth - 1], layers)
         return units
+
+
+def _trainable(model: nn.Module, layer: nn.Module, layers: nn.Module
+               ) -> dict[str, tuple[int, int, int]]:
+    """What trains (LoRA's adapters): ``{"L": (bytes, tensors, largest) of one layer,
+    "rest": the same outside the layers}``."""
+    def count(params: list[nn.Parameter]) -> tuple[int, int, int]:
+        sizes = [_nbytes(p) for p in params if p.requires_grad]
+        return sum(sizes), len(sizes), max(sizes, default=0)
+
+    inside = {id(p) for p in layers.parameters()}
+    return {"L": count(list(layer.parameters())),
+            "rest": count([p for p in model.parameters() if id(p) not in inside])}
 
 
 def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
@@ -507,6 +530,8 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
             mark("H.f")
             state["part"] = "H"
             result["loss"].backward()
+            if "L0.b" not in segments:  # a frozen embedding (LoRA): backward ends in L0
+                mark("L0.b")
             mark("E.b")
             before = tracker.current
             result.clear()

@@ -75,9 +75,17 @@ def mesh_labels(layout: Layout, mesh: Any) -> dict[str, str]:
     return out
 
 
+def _lora(config: dict[str, Any]) -> Any:
+    from ..parallel.lora import parse_lora
+
+    text = config.get("lora")
+    return None if text is None else parse_lora(text, seed=config.get("seed", 0),
+                                                base_dtype=config.get("lora_base_dtype", "fp32"))
+
+
 def build_layout(model: torch.nn.Module, layout: Layout, mesh: Any, *, name: str,
                  example: torch.Tensor, weights: str | None = None,
-                 knobs: dict[str, Any] | None = None) -> Any:
+                 knobs: dict[str, Any] | None = None, lora: Any = None) -> Any:
     """``torchloom.parallelize`` of zoo model ``name`` for ``layout``, as ``torchloom
     train`` calls it (the zoo's stacks of layers, the layout's loss on a pipeline's
     last stage): the plan's measurements build every layout through it."""
@@ -88,14 +96,15 @@ def build_layout(model: torch.nn.Module, layout: Layout, mesh: Any, *, name: str
     pipe = layout.pp > 1
     return parallelize(sch, layout, mesh=mesh, weights=weights,
                        example_inputs={"input_ids": example} if pipe else None,
-                       knobs=knobs,
+                       knobs=knobs, lora=lora,
                        stacks=zoo.layer_paths(name))
 
 
 def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one rank (see the module docstring). ``config``: ``model``, ``size``,
     ``layout`` (a :meth:`Layout.to_dict`), ``warmup`` (default 2), ``timed`` (default 0),
-    ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels). Returns
+    ``seed``, ``knobs`` (more knobs of the built-in schedule: kernels), ``lora`` (a
+    ``--lora`` text: LoRA fine-tuning, :func:`~torchloom.parallel.lora.parse_lora`). Returns
     ``stage`` (the pipeline rank), ``peak``, ``collectives`` (bytes per ``"kind/group"``),
     ``counts``, ``step_s`` (the timed steps) and ``built`` (what
     :func:`torchloom.parallelize` did: ``checkpointed``, ``cut_after``, ``groups``,
@@ -141,7 +150,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     with fsdp_storage_resizes(tracker), tracker:
         done = build_layout(model, lay, mesh, name=config["model"],
                             example=ids[: lay.micro_batch], weights=weights,
-                            knobs=config.get("knobs"))
+                            knobs=config.get("knobs"), lora=_lora(config))
         built = done.model
         if lay.pp > 1:
             for _, group in done.module.ties:  # the pipeline (under a cp wrapper)
@@ -151,7 +160,7 @@ def measure_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
                   "groups": dict(done.groups), "fsdp_units": list(done.fsdp_units)}
         del model  # (a pipeline's other stages stay on meta in the schedule's model)
         params = list(built.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4)
+        opt = torch.optim.AdamW(done.parameters(), lr=1e-4)  # what trains (LoRA: adapters)
         for t in [*params, *built.buffers(), ids, *extra.values()]:
             tracker.track(t)
         parallel = _Steps(done)

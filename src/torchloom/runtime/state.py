@@ -223,12 +223,21 @@ def _finish(path: str, tmp: str, marker: dict[str, Any], keep: int) -> str:
     return final
 
 
-def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _model_state(model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """The model's state-dict tensors a checkpoint holds: all, or (``trainable_only``) the
+    parameters that train (LoRA's adapters; the frozen base comes from its weights)."""
+    state = model.state_dict(keep_vars=True)
+    if not trainable_only:
+        return state
+    return {k: t for k, t in state.items() if isinstance(t, nn.Parameter) and t.requires_grad}
+
+
+def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any,
+             trainable_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """What DCP writes (tensors) and this rank's layout for the marker (everything else)."""
     ranks = set(_group_ranks(group))
     state: dict[str, Any] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in _model_state(model, trainable_only).items():
         state[_MODEL + key] = _to_save(tensor, key, group, ranks)
     optim_state, layout = collect_optimizer(model, optimizer)
     state.update(optim_state)
@@ -237,7 +246,7 @@ def _collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: A
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,
          step: int, *, group: Any = None, keep: int = 2,
-         config: dict[str, Any] | None = None) -> str:
+         config: dict[str, Any] | None = None, trainable_only: bool = False) -> str:
     """Write a checkpoint of ``model`` (and ``optimizer``, if given) at ``step`` into the
     save directory ``path``; returns the checkpoint's folder (``path/step-N``).
 
@@ -263,7 +272,10 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     save the directory holds the ``keep`` newest checkpoints (one per step: saving a step
     again replaces it); older ones and the temporaries of interrupted saves, recognised
     by name and content, are removed. ``config`` (JSON data: numbers, strings, lists,
-    dicts) is stored with the checkpoint (:attr:`Checkpoint.config`).
+    dicts) is stored with the checkpoint (:attr:`Checkpoint.config`). ``trainable_only``:
+    only the parameters that train (``requires_grad``: LoRA's adapters) and the optimizer
+    state; :func:`load` then reads only those into a model whose frozen base is already
+    loaded (the marker records it).
 
     Cost: besides DCP's write, one exchange of the ranks' layouts (names, optimizer
     hyperparameters) and the files read back once to record their SHA-256 (split over the
@@ -290,13 +302,13 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | 
     layout: dict[str, Any] | None = None
     error: ScheduleError | None = None
     try:
-        state, layout = _collect(model, optimizer, group)
+        state, layout = _collect(model, optimizer, group, trainable_only)
     except ScheduleError as exc:
         error = exc
     layouts = _agree(layout, error, group, "save")
     marker = {"torchloom": _KIND_STEP, "format": FORMAT, "world_size": group_size(group),
               **_merge_layouts(layouts)}
-    marker.update(step=step, config=config_json)
+    marker.update(step=step, config=config_json, trainable_only=bool(trainable_only))
     token = uuid.uuid4().hex[:12]
 
     def claim() -> str:
@@ -462,7 +474,7 @@ def _load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         md = metadata.get(key)
         return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
 
-    model_state = model.state_dict(keep_vars=True)
+    model_state = _model_state(model, marker.get("trainable_only") is True)
     saved_keys = [k[len(_MODEL):] for k in metadata if k.startswith(_MODEL)]
     missing = [k for k in model_state if _MODEL + k not in metadata]
     # a pipeline rank holds some stages: the other stages' keys are not unexpected
