@@ -18,6 +18,10 @@ largest value: Adam divides each gradient by its own magnitude, so the rounding 
 gradient near zero (``B``'s first ones) shows in the values; the losses and norms, which
 depend on every adapter, are the tight check (with the bf16 base the only one: its
 rounding flips the sign of such gradients, a step of 2 x lr). The adapters' dropout is 0.
+
+In the same launch, ``Verify`` of the Llama schedule at TP 2 (and with sequence
+parallelism) followed by ``lora`` passes with every adapter gradient compared, and names
+the adapter whose gradient all-reduce was removed.
 """
 
 from __future__ import annotations
@@ -100,6 +104,39 @@ def _compare(rank: int) -> None:
                     (name, key, diff, value.abs().max().item())
 
 
+def _verify(rank: int) -> None:
+    """Verify compares the adapted layers with one process's (the reference gets the same
+    adapters): with B drawn (init="random") every adapter's gradient is non-trivial; a
+    column-parallel adapter whose A gradient is left partial is named."""
+    import torchloom as tl
+    from torchloom.core.errors import VerificationError
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = transformers.LlamaConfig(**{**SIZES, "vocab_size": 64})
+    for sp, broken in ((False, False), (True, False), (False, True)):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        sch = tl.create_schedule(model)
+        check = tl.Verify(sch, {"input_ids": ids, "labels": ids})
+        try:
+            with check:
+                tl.schedules.apply_schedule(sch, tl.schedules.ScheduleConfig(
+                    tp=2, sequence_parallel=sp))
+                sch.lora(4, 8, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                         init="random")
+                if broken:  # the all-reduce of q_proj's A gradient, dropped
+                    layer = model.model.layers[1].self_attn.q_proj
+                    layer.lora_A["default"].weight._backward_hooks.clear()
+        except VerificationError as err:
+            assert broken, err
+            assert "the gradient of parameter 'model.layers.1.self_attn.q_proj.lora_A." \
+                "default.weight' differs" in str(err), err
+            continue
+        assert not broken, "Verify missed a partial adapter gradient"
+        # 2 layers x 5 adapted layers x (A, B)
+        assert check.stats["parameter gradient"] == 20, check.stats
+
+
 def _chat_rows() -> list[str]:
     rows = []
     for i in range(16):
@@ -129,6 +166,6 @@ def test_lora_at_every_layout_equals_one_process(tmp_path) -> None:
             json.dump(result, f)
     os.environ[ROOT_ENV] = root
     try:
-        spawn(_compare, world=2, timeout_s=600)
+        spawn(_verify, _compare, world=2, timeout_s=600)
     finally:
         del os.environ[ROOT_ENV]

@@ -85,7 +85,11 @@ _RULES: dict[str, dict[int, Placement]] = {
 
 def output_placement(module: nn.Module) -> Placement | None:
     """The placement of ``module``'s output implied by its sharded weight, or None when
-    the module's type has no rule or its weight is not sharded."""
+    the module's type has no rule or its weight is not sharded. A peft LoRA layer (its
+    ``base_layer`` and adapters summed) has its base's placement."""
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, nn.Module) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict):
+        return output_placement(base)
     weight = module._parameters.get("weight")
     spec = shard_spec(weight) if weight is not None else None
     if spec is None:

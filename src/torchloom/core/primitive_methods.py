@@ -94,7 +94,7 @@ class PrimitiveMethods:
         _unregistered("fuse")
 
     def lora(self, r: int, alpha: float, targets: list[str], dropout: float = 0.0,
-             seed: int = 0) -> None:
+             seed: int = 0, init: str = "zero_b") -> None:
         """LoRA adapters on the named linear layers, the rest frozen
         (``torchloom.primitives.lora``)."""
         _unregistered("lora")

@@ -22,7 +22,7 @@ its ``base_layer``), so the output is ``base(x) + alpha / r * B(A(dropout(x)))``
 * **Exact initialisation at any layout.** ``A`` is drawn at its full shape from a
   generator seeded with ``seed`` (targets in module order; uniform in
   ``[-1/sqrt(in), 1/sqrt(in)]``, which is peft's default ``kaiming_uniform_(a=sqrt(5))``)
-  and ``B`` is zero, then each rank keeps its slice: every layout starts from the same
+  and ``B`` is zero (``init="random"``: drawn too), then each rank keeps its slice: every layout starts from the same
   adapters. The adapters are made real (fp32) even when the base is on ``meta``: ``build``
   keeps them and reads or initialises only the base (a weights folder has no adapters).
 * **Checkpoint keys.** The base keeps its original key (``q_proj.weight``, not
@@ -196,10 +196,16 @@ def _like(spec: ShardSpec, axis: int, full_shape: tuple[int, ...]) -> ShardSpec:
 
 @primitive(NAME, errors=(LoraError,))
 def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: float = 0.0,
-          seed: int = 0) -> None:
+          seed: int = 0, init: str = "zero_b") -> None:
     """Add LoRA adapters of rank ``r`` (scale ``alpha / r``) to the linear layers named
-    ``targets`` below ``sch.mod`` and freeze everything else below it."""
+    ``targets`` below ``sch.mod`` and freeze everything else below it. ``init``:
+    ``"zero_b"`` (peft's default: the adapted model starts as the base) or ``"random"``
+    (``B`` drawn as ``A`` is, from ``[-1/sqrt(r), 1/sqrt(r)]``: for checks, every adapter
+    gradient then non-zero)."""
     _check_args(sch, r, alpha, targets, dropout, seed)
+    if init not in ("zero_b", "random"):
+        raise _fail(sch, f"init must be 'zero_b' or 'random', not {init!r}", {"init": init},
+                    f"sch[{sch.path!r}].lora(16, 32, ['q_proj'], init='zero_b')")
     peft = _peft(sch)
     found = _targets(sch, targets)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout),
@@ -226,7 +232,11 @@ def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: floa
         bound = 1 / math.sqrt(in_full)
         a_full = torch.rand((r, in_full), generator=generator, dtype=torch.float32)
         a_full = a_full * (2 * bound) - bound
-        b_full = torch.zeros((out_full, r), dtype=torch.float32)
+        if init == "random":
+            b_full = torch.rand((out_full, r), generator=generator, dtype=torch.float32)
+            b_full = (b_full * 2 - 1) / math.sqrt(r)
+        else:
+            b_full = torch.zeros((out_full, r), dtype=torch.float32)
         a_spec = b_spec = None
         split = spec is not None and spec.world_size > 1
         if spec is not None and split:
@@ -243,7 +253,7 @@ def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: floa
                 if own is None or reduced:
                     partial_grads.append(f"{path}.{name}.{ADAPTER}")
     set_mark(sch.mod, LORA, LoraState(r=r, alpha=float(alpha), targets=tuple(targets),
-                                      dropout=float(dropout), seed=seed,
+                                      dropout=float(dropout), seed=seed, init=init,
                                       layers=tuple(path for path, _ in found)))
     sch.rebuild_children()
     for path in partial_grads:

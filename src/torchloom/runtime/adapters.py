@@ -39,6 +39,8 @@ class LoraState:
     seed: int
     layers: tuple[str, ...]
     """The paths (from the marked module) of the layers that got adapters."""
+    init: str = "zero_b"
+    """How ``B`` started: ``"zero_b"`` (zero) or ``"random"``."""
 
     @property
     def scaling(self) -> float:

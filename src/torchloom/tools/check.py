@@ -70,6 +70,7 @@ from torch import nn
 from ..core.marks import SYNCS, get_mark
 from ..core.meta import shard_spec
 from ..core.placement import Placement, output_placement
+from ..runtime.adapters import is_lora_layer
 
 if TYPE_CHECKING:
     from ..core.schedule import Schedule
@@ -168,7 +169,7 @@ def _next_weighted_leaf(leaves: list[tuple[str, nn.Module]],
     if index is None:
         return None
     for path, leaf in leaves[index + 1:]:
-        if leaf._parameters.get("weight") is None:
+        if leaf._parameters.get("weight") is None and not is_lora_layer(leaf):
             continue
         placement = effective_output_placement(leaf)
         if placement is not None and placement.kind == "shard" and \
@@ -318,11 +319,15 @@ def check(sch: Schedule) -> CheckReport:
     """Check the whole tree of ``sch`` (from its root) against the rules above."""
     root = sch.root
     report = CheckReport()
-    leaves = [(path, m) for path, m in root.mod.named_modules() if not m._modules]
+    # a LoRA layer is checked as one module (its base's placement, its own syncs): the
+    # base and the adapters inside it are parallel branches summed at its output
+    lora = tuple(f"{path}." for path, m in root.mod.named_modules() if is_lora_layer(m))
+    leaves = [(path, m) for path, m in root.mod.named_modules()
+              if (not m._modules or is_lora_layer(m)) and not path.startswith(lora)]
     seen: set[int] = set()
     for _, node in root.named_schedules():
         module = node.mod
-        if id(module) in seen:
+        if id(module) in seen or node.path.startswith(lora):
             continue
         seen.add(id(module))
         kind = type(module).__name__

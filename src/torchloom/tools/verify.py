@@ -85,6 +85,7 @@ from ..core.marks import CONTEXT_PARALLEL, EXPERT_PARALLEL, SYNCS, get_mark
 from ..core.meta import ShardSpec, shard_spec
 from ..core.outputs import tensors_in
 from ..core.placement import output_placement
+from ..runtime.adapters import is_lora_layer
 from ..runtime import collectives as C
 from ..runtime.agree import check_ranks_agree
 from ..runtime.rng import get_rng_tracker
@@ -397,8 +398,25 @@ class Verify:
                     values={"findings": [f"{f.path}: {f.rule}" for f in report.findings]},
                     fix=first.fix,
                 )
+        self._mirror_lora()
         with self._materialised():
             self._compare()
+
+    def _mirror_lora(self) -> None:
+        """LoRA adapters added inside the block (``lora``): the reference gets the same
+        ones (the primitive draws them at full shape from its seed, so the reference's
+        equal the scheduled ones, sliced), and the two compare with their bases frozen."""
+        from ..core.schedule import create_schedule
+        from ..runtime.adapters import lora_state
+
+        assert self.reference is not None
+        found = lora_state(self.sch.mod)
+        if found is None or lora_state(self.reference) is not None:
+            return
+        path, state = found
+        ref = create_schedule(self.reference)
+        ref[path].lora(state.r, state.alpha, list(state.targets), dropout=state.dropout,
+                       seed=state.seed, init=state.init)
 
     def _compare(self) -> None:
         assert self.reference is not None
@@ -418,6 +436,10 @@ class Verify:
         # to this rank's experts, not on this rank's tokens: compared as the module's output
         self._inside_experts = tuple(f"{name}." for name, m in model.named_modules()
                                      if get_mark(m, EXPERT_PARALLEL) is not None)
+        # a LoRA layer's base and adapters are parallel branches whose partial sums are
+        # reduced together at the layer: compared by the layer's output
+        self._inside_experts += tuple(f"{name}." for name, m in model.named_modules()
+                                      if is_lora_layer(m))
         if self._ep is not None:
             align_experts(model, reference, self._ep.group, self.param_map, self.sch.path)
         saved = self._save([model, reference])
