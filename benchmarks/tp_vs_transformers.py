@@ -137,12 +137,41 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.T
     return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
+class _NoModules:
+    """Stands in for ``CommDebugMode``'s per-module tracker: only the totals are used
+    here, and on torch 2.13 that tracker loses its place in transformers' tensor-parallel
+    model (an ``IndexError`` in its post-forward hook)."""
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+
+    def __init__(self) -> None:
+        self.parent_dict: dict[str, Any] = {}
+        self.module_helper_dict: dict[str, Any] = {}
+        self.module_parameters_dict: dict[str, Any] = {}
+        self.module_parents_dict: dict[str, Any] = {"Global": []}
+        self.sharding_dict: dict[str, Any] = {}
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _comm_mode() -> Any:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    mode.advanced_module_tracker = _NoModules()
+    return mode
+
+
 def _counted_step(model: nn.Module, opt: torch.optim.Optimizer,
                   batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """One step with its collectives counted per phase (``CommDebugMode``), and
     torchloom's own count of what it issued (a cross-check)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     from torchloom.runtime.collectives import count_collectives
 
     counts: dict[str, Any] = {}
@@ -150,15 +179,15 @@ def _counted_step(model: nn.Module, opt: torch.optim.Optimizer,
     with warnings.catch_warnings():
         # CommDebugMode's module tracker hooks modules whose inputs need no gradient
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        with CommDebugMode() as mode, count_collectives() as own:
+        with _comm_mode() as mode, count_collectives() as own:
             loss = model(**batch).loss
         counts["forward"] = mode.get_comm_counts()
         counts["tl_forward"] = dict(own)
-        with CommDebugMode() as mode, count_collectives() as own:
+        with _comm_mode() as mode, count_collectives() as own:
             loss.backward()
         counts["backward"] = mode.get_comm_counts()
         counts["tl_backward"] = dict(own)
-        with CommDebugMode() as mode:
+        with _comm_mode() as mode:
             opt.step()
         counts["optimizer"] = mode.get_comm_counts()
     out: dict[str, Any] = {}

@@ -25,6 +25,7 @@ def test_every_primitive_round_trips():
     sch["transformer.h.*.attn.c_attn"].shard("weight", 1)
     sch["transformer.h.*.attn.c_attn"].sync("bwd_post", "all_reduce")
     sch["transformer.h.0.attn.c_attn"].annotate("weight", "colwise", True)
+    sch["transformer.h.0.attn"].lora(2, 4, ["c_proj"], init="random")  # peft on a Conv1D
     sch["transformer.h"].checkpoint(ratio=0.5)
     sch["transformer.h.1.attn"].fork_rng()
     sch["transformer.h.1.attn"].divide_attrs(["num_heads", "split_size"])

@@ -187,6 +187,7 @@ _CALLS = {
     "divide_attrs": ("0", ("in_features",), {}),
     "fork_rng": ("1", (), {}),
     "fuse": ("", ([],), {}),
+    "lora": ("", (2, 4, ["0"]), {}),
     "replace": ("1", (nn.ReLU(),), {}),
     "replace_all": ("", (nn.GELU, lambda path, old: nn.ReLU()), {}),
     "shard": ("0", ("weight", 0), {}),

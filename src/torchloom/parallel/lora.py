@@ -79,10 +79,11 @@ def parse_lora(text: str, *, seed: int = 0, base_dtype: str = "fp32") -> LoraSpe
 
     >>> parse_lora("targets=q_proj,k_proj,v_proj,o_proj,r=8,alpha=16,dropout=0.05").targets
     ('q_proj', 'k_proj', 'v_proj', 'o_proj')
-    >>> parse_lora("r=8,alpha=16")
-    Traceback (most recent call last):
-    ...
-    torchloom.core.errors.LoraError: --lora 'r=8,alpha=16': no targets= (the linear layers ...
+    >>> try:
+    ...     parse_lora("r=8,alpha=16")
+    ... except LoraError as err:
+    ...     print(err.problem)
+    --lora 'r=8,alpha=16': no targets= (the linear layers to adapt, e.g. targets=q_proj,v_proj)
     """
     if not isinstance(text, str) or len(text) > 4096:
         raise _bad(str(text)[:80], "not a short text")

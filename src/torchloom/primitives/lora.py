@@ -209,7 +209,8 @@ def apply(sch: Schedule, r: int, alpha: float, targets: list[str], dropout: floa
     peft = _peft(sch)
     found = _targets(sch, targets)
     config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout),
-                             target_modules=list(targets), bias="none")
+                             target_modules=list(targets), bias="none",
+                             fan_in_fan_out=any(_is_conv1d(m) for _, m in found))
     try:
         peft.inject_adapter_in_model(config, sch.mod)
     except Exception as exc:  # noqa: BLE001 - peft's refusal, with its words
