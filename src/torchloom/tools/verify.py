@@ -85,8 +85,8 @@ from ..core.marks import CONTEXT_PARALLEL, EXPERT_PARALLEL, SYNCS, get_mark
 from ..core.meta import ShardSpec, shard_spec
 from ..core.outputs import tensors_in
 from ..core.placement import output_placement
-from ..runtime.adapters import is_lora_layer
 from ..runtime import collectives as C
+from ..runtime.adapters import is_lora_layer
 from ..runtime.agree import check_ranks_agree
 from ..runtime.rng import get_rng_tracker
 from .check import check, effective_output_placement
