@@ -50,7 +50,9 @@ def _trainable(tp: int, lora: bool) -> tuple[int, int]:
         model = T.LlamaForCausalLM(T.LlamaConfig())
     sch = tl.create_schedule(model)
     if tp > 1:
-        apply_schedule(sch, ScheduleConfig(tp=tp))
+        # as torchloom.parallelize builds it: the head split along the vocabulary (its
+        # default loss, "chunked", over split logits)
+        apply_schedule(sch, ScheduleConfig(tp=tp, loss_parallel=True))
     if lora:
         sch.lora(16, 32, ["q_proj", "v_proj"])
     return (sum(p.numel() for p in model.parameters()),

@@ -206,3 +206,26 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(root, tmp_path
     keys = list(FileSystemReader(ckpt.path).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if not k.startswith("optim")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+
+
+def test_held_out_examples_loss_is_the_responses_loss_of_the_trained_adapter(root, tmp_path):
+    from torchloom.apps import chat_data
+    from torchloom.apps.train import train_rank
+
+    out = tmp_path / "adapter"
+    cfg = TrainConfig(model=str(root / "llama"), data=(str(root / "chat.jsonl"),), steps=2,
+                      batch_size=2, seq_len=64, lr=1e-2, eval_every=2, eval_fraction=0.25,
+                      lora="r=4,alpha=8,targets=q_proj,v_proj", save_pretrained=str(out),
+                      progress=False)
+    reported = train_rank(0, cfg)["eval_losses"][2]
+    corpus = chat_data.load_examples([str(root / "chat.jsonl")], str(root / "llama"), 64)
+    _, held = chat_data.split_rows(corpus, 0.25)
+    assert len(held.rows) == 1
+    batch = chat_data.eval_batch(held, 0, 2, 64)
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "llama")
+    model = peft.PeftModel.from_pretrained(base, out)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             batch["labels"][:, 1:].reshape(-1))
+    assert reported == pytest.approx(float(want), rel=1e-5)

@@ -4,7 +4,8 @@
 
 * a tiny Llama and a tiny Qwen2 (transformers' default configs, sizes shrunk, read from
   ``save_pretrained`` folders), adapters on q/k/v/o/gate/down (column- and row-parallel);
-* chat examples (``.jsonl``, only the responses in the loss; packed under TP and FSDP2);
+* chat examples (``.jsonl``, only the responses in the loss; packed under TP and FSDP2),
+  with the held-out rows' loss (``--eval-every``) compared too;
 * the Llama with its frozen base in bf16 (``--lora-base-dtype bf16``), against one process
   with the same bf16 base.
 
@@ -62,7 +63,7 @@ def _runs(root: str) -> dict[str, dict]:
         runs[f"chat-{layout}"] = dict(
             model=os.path.join(root, "llama"), steps=3, batch_size=4, seq_len=48, data=(chat,),
             lora="r=4,alpha=8,targets=q_proj,v_proj", clip_grad=1e9, lr=1e-2,
-            pack=layout != "pp2")
+            pack=layout != "pp2", eval_every=3, eval_fraction=0.25)
     return runs
 
 
@@ -74,7 +75,8 @@ def _train(name: str, options: dict, out: str, **layout) -> dict:
     result = train_rank(0 if not torch.distributed.is_initialized()
                         else torch.distributed.get_rank(), cfg, report=records.append)
     norms = [r["grad_norm"] for r in records if r["kind"] == "step"]
-    return {"losses": result["losses"], "norms": norms}
+    evals = [result["eval_losses"][k] for k in sorted(result["eval_losses"])]
+    return {"losses": result["losses"], "norms": norms, "evals": evals}
 
 
 def _compare(rank: int) -> None:
@@ -89,7 +91,7 @@ def _compare(rank: int) -> None:
         # a bf16 base: tensor parallelism all-reduces the row-parallel partial outputs in
         # bf16, another order of addition than one process's product
         rel = 5e-3 if name.startswith("bf16-") else 1e-5
-        for key in ("losses", "norms"):
+        for key in ("losses", "norms", "evals"):
             assert got[key] == pytest.approx(want[key], rel=rel), (name, key, got, want)
         if rank == 0 and not name.startswith("bf16-"):
             ours = load_file(os.path.join(root, "out", name, "adapter_model.safetensors"))

@@ -92,7 +92,7 @@ import inspect
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ from .data import _open_regular, _unreadable, load_tokenizer, text_files
 from .packing import check_packing
 
 __all__ = ["IGNORE_INDEX", "MAX_LINE_BYTES", "ExampleCorpus", "Row", "check_packing",
-           "example_batch", "is_example_data", "load_examples"]
+           "eval_batch", "example_batch", "is_example_data", "load_examples", "split_rows"]
 
 PRIMITIVE = "torchloom train"
 IGNORE_INDEX = -100
@@ -251,6 +251,54 @@ def load_examples(paths: Sequence[str], tokenizer_folder: str | None, seq_len: i
                               response, len(rows) if pack else None,
                               tokenizer_folder is None),
         largest=largest, files=len(files), packed=pack)
+
+
+def split_rows(corpus: ExampleCorpus, fraction: float) -> tuple[ExampleCorpus, ExampleCorpus]:
+    """``(train, held_out)``: the last ``fraction`` of the rows (at least one) held out for
+    evaluation, the rest to train on; each keeps the corpus' other fields, with its own
+    row and loss-token counts.
+
+    Raises:
+        DataError: fewer than two rows (nothing left to train on or to evaluate).
+    """
+    count = len(corpus.rows)
+    held = max(1, round(count * fraction))
+    if count < 2 or held >= count:
+        raise DataError(
+            f"{count} row{'s' if count != 1 else ''} of examples cannot be split into a "
+            f"training part and a held-out part of {fraction:g}", primitive=PRIMITIVE,
+            values={"rows": count, "eval_fraction": fraction},
+            fix="add examples, lower --eval-fraction, or leave --eval-every out")
+
+    def part(rows: tuple[Row, ...]) -> ExampleCorpus:
+        counted = sum(int((row.labels != IGNORE_INDEX).sum()) for row in rows)
+        return replace(corpus, rows=rows, response_tokens=counted,
+                       tokens=sum(row.input_ids.numel() for row in rows))
+
+    return part(corpus.rows[:count - held]), part(corpus.rows[count - held:])
+
+
+def eval_batch(corpus: ExampleCorpus, index: int, batch_size: int, seq_len: int
+               ) -> dict[str, torch.Tensor]:
+    """Batch ``index`` (0-based) of the rows in order (``input_ids``, ``labels``,
+    ``position_ids``, each ``(batch_size, seq_len)``): rows ``index * batch_size`` on,
+    padded as :func:`example_batch` pads; past the last row, empty rows (all padding,
+    nothing in the loss), so that every batch has ``batch_size`` rows."""
+    input_ids = torch.full((batch_size, seq_len), corpus.pad_id, dtype=torch.int64)
+    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    position_ids = torch.arange(seq_len, dtype=torch.int64).repeat(batch_size, 1)
+    for j in range(batch_size):
+        at = index * batch_size + j
+        if at >= len(corpus.rows):
+            break
+        row = corpus.rows[at]
+        n = row.input_ids.numel()
+        input_ids[j, :n] = row.input_ids
+        labels[j, :n] = row.labels
+        position_ids[j, :n] = row.position_ids
+        start = int(row.position_ids[-1]) + 1 if n else 0
+        position_ids[j, n:] = torch.arange(start, start + seq_len - n)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def example_batch(corpus: ExampleCorpus, step: int, batch_size: int, seq_len: int,

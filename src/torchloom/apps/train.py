@@ -79,7 +79,7 @@ from .jobconfig import RUN_FIELDS, TrainConfig, TrainOptionError
 from .train_checkpoints import compare, run_config
 from .train_checks import _check_memory as _check_memory
 from .train_checks import check_config, check_launch
-from .train_examples import CountedLoss, sample_answer
+from .train_examples import CountedLoss, pipeline_loss_sum, sample_answer
 from .train_model import (
     _eval_count,
     count_parameters,
@@ -574,8 +574,11 @@ class _Run:
 
     @torch.no_grad()
     def evaluate(self, model: Any) -> float:
-        """The mean loss over the held-out windows (dropout off), over all ranks."""
+        """The mean loss over the held-out windows (dropout off), over all ranks; with
+        examples, over the held-out rows' response tokens."""
         cfg = self.cfg
+        if self.corpus.held_out_examples is not None:
+            return self.evaluate_examples(model)
         assert self.corpus.held_out is not None
         count = _eval_count(cfg, self.corpus)
         windows = data.eval_windows(self.corpus.held_out, count * cfg.batch_size, cfg.seq_len)
@@ -595,6 +598,36 @@ class _Run:
         finally:
             model.train()
         return self.dp_mean(total / count)
+
+    def evaluate_examples(self, model: Any) -> float:
+        """The held-out rows' loss: the sum over their response tokens (each rank its
+        share of every batch) over their count."""
+        cfg = self.cfg
+        held = self.corpus.held_out_examples
+        share = cfg.batch_size // cfg.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        total = torch.zeros((), device=self.device)
+        counted = 0
+        model.eval()
+        try:
+            for b in range(_eval_count(cfg, self.corpus)):
+                whole = chat_data.eval_batch(held, b, cfg.batch_size, cfg.seq_len)
+                counted += int((whole["labels"][:, 1:] != -100).sum())
+                if not cfg.pack:
+                    del whole["position_ids"]
+                batch = {k: v[lo:hi].to(self.device) for k, v in whole.items()}
+                if cfg.pp > 1:
+                    total = total + self.from_last_stage(pipeline_loss_sum(model, self.built,
+                                                                           batch))
+                    continue
+                one = torch.ones((), device=self.device)
+                for i in range(cfg.grad_accum):
+                    part = {k: v.chunk(cfg.grad_accum)[i] for k, v in batch.items()}
+                    with self.autocast():
+                        total = total + _step_loss(model, part, one).float()
+        finally:
+            model.train()
+        return self.dp_mean(total) * cfg.dp / max(counted, 1)
 
     def pipeline_eval_loss(self, pipe: Any, ids: torch.Tensor) -> torch.Tensor:
         assert self.built is not None

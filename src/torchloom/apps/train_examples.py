@@ -22,7 +22,7 @@ from ..runtime.collectives import guard_collective
 from . import data
 from .jobconfig import TrainConfig
 
-__all__ = ["CountedLoss", "sample_answer"]
+__all__ = ["CountedLoss", "pipeline_loss_sum", "sample_answer"]
 
 _PRIMITIVE = "torchloom train"
 
@@ -77,3 +77,16 @@ def sample_answer(model: Any, built: Any, cfg: TrainConfig, tokenizer_folder: st
     finally:
         model.train()
     return decode(tokenizer, new)
+
+
+@torch.no_grad()
+def pipeline_loss_sum(pipe: Any, built: Any, batch: dict[str, torch.Tensor]
+                      ) -> torch.Tensor | None:
+    """A pipeline's evaluation loss of examples, summed over this rank's response tokens
+    of ``batch``: on the rank of the last stage (None on the others)."""
+    logits = pipe(batch["input_ids"])
+    if logits is None:
+        return None
+    labels = batch["labels"]
+    mean = built.next_token_loss(logits, labels).detach().nan_to_num()
+    return mean * (labels[:, 1:] != -100).sum()

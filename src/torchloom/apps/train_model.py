@@ -52,6 +52,8 @@ class Corpus:
     examples: Any = None
     """Instruction or chat examples (``--data`` of ``.jsonl`` files:
     :class:`~torchloom.apps.chat_data.ExampleCorpus`); ``train`` is then empty."""
+    held_out_examples: Any = None
+    """With examples and evaluation: the held-out rows (the last ``eval_fraction``)."""
 
 
 def load_data(cfg: TrainConfig) -> Corpus:
@@ -60,8 +62,13 @@ def load_data(cfg: TrainConfig) -> Corpus:
     largest = None
     if cfg.data and chat_data.is_example_data(cfg.data):
         examples = _examples(tuple(cfg.data), folder, cfg.seq_len, cfg.pack)
-        return Corpus(torch.empty(0, dtype=torch.int64), None, folder, examples.description,
-                      examples.largest, examples)
+        held = None
+        text = examples.description
+        if cfg.eval_every:
+            examples, held = chat_data.split_rows(examples, cfg.eval_fraction)
+            text += f"; {len(held.rows):,} rows held out for evaluation"
+        return Corpus(torch.empty(0, dtype=torch.int64), None, folder, text,
+                      examples.largest, examples, held)
     if cfg.pack:
         raise data.DataError(
             "--pack packs instruction or chat examples, and --data is not .jsonl examples",
@@ -93,19 +100,17 @@ def _examples(paths: tuple[str, ...], folder: str | None, seq_len: int, pack: bo
 
 
 def _eval_count(cfg: TrainConfig, corpus: Corpus) -> int:
-    """Evaluation batches that fit the held-out tokens."""
+    """Evaluation batches that fit the held-out tokens (examples: that hold the held-out
+    rows, the last one padded with empty rows)."""
+    if corpus.held_out_examples is not None:
+        rows = len(corpus.held_out_examples.rows)
+        return min(cfg.eval_batches, -(-rows // cfg.batch_size))
     assert corpus.held_out is not None
     windows = corpus.held_out.numel() // cfg.seq_len
     return min(cfg.eval_batches, windows // cfg.batch_size)
 
 
 def _check_data(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
-    if corpus.examples is not None and cfg.eval_every:
-        raise data.DataError(
-            "--eval-every holds out the tail of a text; with .jsonl examples there is no "
-            "held-out split yet", primitive=_PRIMITIVE,
-            values={"data": list(cfg.data), "eval_every": cfg.eval_every},
-            fix="leave --eval-every out (watch the answers with --sample-every N)")
     if corpus.examples is not None and cfg.cp > 1:
         raise data.DataError(
             f"--cp {cfg.cp} splits token windows along the sequence; .jsonl examples (masked "
@@ -119,7 +124,8 @@ def _check_data(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
             values={"data": list(cfg.data), "tokens": corpus.train.numel(),
                     "seq_len": cfg.seq_len},
             fix="add text, or use a shorter --seq-len")
-    if corpus.held_out is not None and _eval_count(cfg, corpus) < 1:
+    if corpus.examples is None and corpus.held_out is not None and \
+            _eval_count(cfg, corpus) < 1:
         need = cfg.batch_size * cfg.seq_len
         raise data.DataError(
             f"the held-out split holds {corpus.held_out.numel():,} tokens, fewer than one "
