@@ -1,6 +1,6 @@
 """LoRA fine-tuning under tensor parallelism, FSDP2 and a pipeline equals one process
 (issue 29), on two gloo ranks in one launch. ``torchloom train --lora`` at ``--tp 2``,
-``--dp 2 --dp-mode fsdp`` and ``--pp 2`` of:
+``--dp 2 --dp-mode fsdp``, ``--dp 2`` (DDP) and ``--pp 2`` of:
 
 * a tiny Llama and a tiny Qwen2 (transformers' default configs, sizes shrunk, read from
   ``save_pretrained`` folders), adapters on q/k/v/o/gate/down (column- and row-parallel);
@@ -42,7 +42,7 @@ SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_ke
 FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
 LAYOUTS = {"tp2": dict(tp=2), "fsdp2": dict(dp=2, dp_mode="fsdp"),
-           "pp2": dict(pp=2, n_microbatches=2)}
+           "ddp2": dict(dp=2), "pp2": dict(pp=2, n_microbatches=2)}
 TARGETS = "r=4,alpha=8,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj"
 
 

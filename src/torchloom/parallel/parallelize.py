@@ -21,6 +21,10 @@ uses) are applied in one place. In order:
    mixture-of-experts module; :attr:`Parallelized.experts`); the experts are left out of
    DDP and of FSDP2 (``ignored_params``), and :meth:`Parallelized.reduce_gradients`
    averages their gradients over the data-parallel ranks that hold the same experts.
+   **LoRA** (``lora=``, a :class:`~torchloom.parallel.lora.LoraSpec`): the ``lora``
+   primitive at the model, after its shards and syncs (the adapters follow the shards),
+   the rest frozen (optionally in bf16); :meth:`Parallelized.parameters` is then the
+   adapters.
 3. **Pipeline cuts** (``pp > 1``): the model is traced down to the layers of its first
    stack of layers (:func:`~torchloom.core.rules.layer_stacks`) and a stage ends after
    each layer of ``layout.cuts`` (an even split of ``pp x stages_per_rank`` stages by
