@@ -56,6 +56,7 @@ from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
 from ..plan.search import SearchResult, search
 from ..plan.spec import ModelSpec, code_spec, model_spec
 from .cli_errors import clean_errors
+from .plan_plots import plot_roles, plot_search
 
 __all__ = ["app", "plan_command", "main", "train_command", "schedule_text", "plot_search",
            "plot_roles", "legend", "headroom_warning", "layout_code", "plan_layout"]
@@ -297,62 +298,6 @@ def _search_table(result: SearchResult, top: int, profile: Profile) -> Table:
                       _fits_text(p, result.min_headroom), _secs(p.step_time),
                       f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.hfu:.1%}", _secs(bubble))
     return table
-
-
-def plot_search(result: SearchResult, path: str, title: str, budget: int) -> str:
-    """A PNG of the searched layouts: peak memory against throughput (fitting ones
-    filled), the memory budget as a line, the best one starred."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for fits, marker in ((True, "o"), (False, "x")):
-        pts = [p for p in result.ranked if p.fits == fits]
-        if pts:
-            ax.scatter([p.peak / GIB for p in pts], [p.tokens_per_s for p in pts],
-                       marker=marker, c=[p.layout.tp for p in pts], cmap="viridis",
-                       label="fits" if fits else "does not fit", alpha=0.8)
-    ax.axvline(budget / GIB, color="red", linestyle="--", label="usable memory")
-    if result.best is not None:
-        b = result.best
-        ax.scatter([b.peak / GIB], [b.tokens_per_s], marker="*", s=250, color="gold",
-                   edgecolor="black", label=b.layout.describe(), zorder=5)
-    ax.set_xlabel("peak memory per GPU (GiB)")
-    ax.set_ylabel("predicted tokens/s")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_roles(p: Prediction, path: str) -> str:
-    """A PNG of one layout: memory by kind, stacked, per pipeline stage."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0] * len(p.roles)
-    stages = [str(r.stage) for r in p.roles]
-    for kind in kinds:
-        vals = [getattr(r.memory, kind) / GIB for r in p.roles]
-        ax.bar(stages, vals, bottom=bottom, label=kind)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(p.profile.budget / GIB, color="red", linestyle="--", label="usable memory")
-    ax.set_xlabel("pipeline stage")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(p.layout.describe(), fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 # --------------------------------------------------------------------------- command

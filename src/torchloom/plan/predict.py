@@ -72,6 +72,7 @@ from typing import Any
 
 from ..core.errors import PlanError
 from ..parallel.lora import LoraSpec
+from .fsdp_cost import fsdp_times, prefetch_bytes, stage_param_bytes, unsharded_ratio
 from .layout import OPTIMIZERS, Layout, check_model
 from .notes import layout_notes
 from .pipeline import bubble_share, order
@@ -378,9 +379,6 @@ class _Role:
     optimizer: float
 
 
-_DP_GROUPS = frozenset({"dp", "dp_replicate", "ep_replicas"})
-
-
 def _collectives(comm: Counter, layout: Layout, profile: Profile
                  ) -> tuple[tuple[CollectiveTotal, ...], float, float, float, float]:
     """Totals per (kind, group) and seconds: tensor-parallel, pipeline, data-parallel,
@@ -534,7 +532,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     # FSDP2 under a pipeline: from a stage's first backward its parameters stay
     # unsharded and its gradients accumulate unsharded (in the compute dtype); with
     # gradient accumulation and no pipeline, the gradients only (no_sync)
-    widen = _unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
+    widen = unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
     kept = 2 if pp > 1 else 1
     # the first stage's FSDP2 root (embedding and head) is gathered by its first forward
     # and not freed before a backward: its later forwards do not gather it again
@@ -565,7 +563,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
             walk.add(-held_sends * c_out)  # 1F1B's cool-down releases the send
             held_sends = 0
         if widen and k not in done:
-            extra = round(kept * widen * _stage_param_bytes(k, spans, count, units))
+            extra = round(kept * widen * stage_param_bytes(k, spans, count, units))
             walk.add(extra)
             unsharded += extra
         walk.run(b_next if k in done else b_first)
@@ -600,7 +598,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     transient = (trained if impl == "foreach" else 2 * trained_largest) if states else 0
     walk.add(transient)
     walk.add(-transient)
-    prefetch = _prefetch_bytes(layout, profile, units) if mine else 0
+    prefetch = prefetch_bytes(layout, profile, units) if mine else 0
     peak = walk.peak + prefetch
     buffers = model_buffers + runtime + outputs + prefetch
     activations = max(0, peak - params - grads - optimizer - buffers - ids_bytes)
@@ -617,7 +615,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         f_all, b_first, _ = pieces[k]
         for backward, part in ((False, f_all.comm), (True, b_first.comm)):
             for c, num in part.items():
-                comm[c] += num * _fsdp_times(c, backward, fsdp, pp, n, before[k])
+                comm[c] += num * fsdp_times(c, backward, fsdp, pp, n, before[k])
     if ddp:
         # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
         comm[("all_reduce", "dp", layout.dp * layout.cp, grads - experts)] += 1
@@ -665,52 +663,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
                  dp_exposed + opt_time, opt_time)
 
 
-def _prefetch_bytes(layout: Layout, profile: Profile, units: Units) -> int:
-    """FSDP2 on a device that overlaps communication: the next layer's all-gather is
-    issued while the current layer computes (its copy stream runs ahead), so one more
-    layer's unsharded parameters, in the compute dtype, are live at the peak than the
-    measurement (which runs the collectives in line) holds. None on a CPU."""
-    if layout.dp_shard == 1 or not profile.overlap:
-        return 0
-    gathered = units.params["L2"] - units.extra.get("expert_params", 0)  # experts: whole
-    return round((1.0 + _unsharded_ratio(layout, units)) * gathered)
-
-
 def _less(piece: _Piece, nbytes: int) -> _Piece:
     """``piece`` allocating ``nbytes`` less."""
     return dataclasses.replace(piece, delta=piece.delta - nbytes,
                                rise=max(0, piece.rise - nbytes))
-
-
-def _fsdp_times(c: tuple[str, str, int, int], backward: bool, fsdp: bool, pp: int, n: int,
-                before: int) -> int:
-    """How often a collective measured once per micro-batch runs in a step. FSDP2's
-    (``dp`` groups): under a pipeline, the all-gathers of the forwards before a stage's
-    first backward and of that backward, and one reduction at the end; without one, the
-    all-gathers of every micro-step and the reduction of the last (``no_sync``, as
-    ``torchloom train`` accumulates). Everything else: once per micro-batch."""
-    if not fsdp or c[1] not in _DP_GROUPS:
-        return n
-    if pp > 1:
-        return before if not backward else 1
-    return n if c[0] == "all_gather" else 1
-
-
-def _stage_param_bytes(k: int, spans: list[range], count: int, units: Units) -> int:
-    """The (sharded) parameter bytes of stage ``k`` on one rank."""
-    out = len(spans[k]) * (units.params["L2"] - units.extra.get("expert_params", 0))
-    if k == 0:
-        out += units.params["E"]
-    if k == count - 1:
-        out += units.params["H"] - (units.shared if count == 1 else 0)
-    return out
-
-
-def _unsharded_ratio(layout: Layout, units: Units) -> float:
-    """Unsharded bytes per sharded parameter byte (parameters or gradients): ``dp_shard``
-    times the compute dtype's size over the parameter dtype's, minus the shard itself."""
-    from .spec import DTYPES
-
-    compute = DTYPES[units.key.mixed_precision or units.key.param_dtype].itemsize
-    param = DTYPES[units.key.param_dtype].itemsize
-    return max(0.0, layout.dp_shard * layout.cp * compute / param - 1.0)

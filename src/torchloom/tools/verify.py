@@ -90,6 +90,7 @@ from ..runtime.adapters import is_lora_layer
 from ..runtime.agree import check_ranks_agree
 from ..runtime.rng import get_rng_tracker
 from .check import check, effective_output_placement
+from .verify_record import Record, Recorder
 from .verify_sync import align_experts
 from .verify_sync import broadcast_in as _broadcast_in
 
@@ -123,75 +124,6 @@ def materialise(model: nn.Module, device: torch.device, seed: int,
         torch.manual_seed(seed)
         _materialise(shim, init_weights=False, dev=torch.device(device), param_init_fn=None,
                      init="full", weights=weights, strict=False)
-
-
-@dataclass
-class _Record:
-    path: str
-    call: int
-    value: torch.Tensor
-    module: nn.Module | None = None
-
-
-class _Recorder:
-    """Hooks on every module of one model: outputs in forward order, input gradients in
-    backward order."""
-
-    def __init__(self, model: nn.Module, record_grads: bool) -> None:
-        self.outputs: list[_Record] = []
-        self.input_grads: list[_Record] = []
-        self.calls: dict[str, int] = {}
-        self.stack: list[str] = []
-        self.handles: list[Any] = []
-        seen: set[int] = set()
-        for path, module in model.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            self.handles.append(module.register_forward_pre_hook(
-                self._pre(path, module, record_grads), with_kwargs=True, prepend=True))
-            # Not always_call: when a forward raises, the stack keeps the module that raised.
-            self.handles.append(module.register_forward_hook(self._post(path, module)))
-
-    def _pre(self, path: str, module: nn.Module, record_grads: bool) -> Callable:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            call = self.calls.get(path, 0)
-            self.calls[path] = call + 1
-            self.stack.append(path)
-            if not record_grads or not torch.is_grad_enabled():
-                return None
-            for i, arg in enumerate(args):  # the first floating tensor input
-                if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                    marked = arg.view_as(arg)
-                    marked.register_hook(self._grad(path, call, module))
-                    return args[:i] + (marked,) + args[i + 1:], kwargs
-            for key, arg in kwargs.items():
-                if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                    marked = arg.view_as(arg)
-                    marked.register_hook(self._grad(path, call, module))
-                    return args, {**kwargs, key: marked}
-            return None
-        return hook
-
-    def _grad(self, path: str, call: int, module: nn.Module) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            self.input_grads.append(_Record(path, call, grad.detach().clone(), module))
-        return hook
-
-    def _post(self, path: str, module: nn.Module) -> Callable:
-        def hook(mod: nn.Module, args: tuple, output: Any) -> None:
-            if self.stack and self.stack[-1] == path:
-                self.stack.pop()
-            tensors = [t for t in tensors_in(output) if t.is_floating_point()]
-            if tensors:
-                call = self.calls.get(path, 1) - 1
-                self.outputs.append(_Record(path, call, tensors[0].detach().clone(), module))
-        return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
 
 @dataclass
@@ -371,7 +303,7 @@ class Verify:
 
     # ------------------------------------------------------------------ the run
 
-    def _run(self, model: nn.Module, recorder: _Recorder, args: tuple, kwargs: dict) -> None:
+    def _run(self, model: nn.Module, recorder: Recorder, args: tuple, kwargs: dict) -> None:
         torch.manual_seed(self.seed)
         if torch.cuda.is_available():
             torch.cuda.manual_seed_all(self.seed)
@@ -444,8 +376,8 @@ class Verify:
             align_experts(model, reference, self._ep.group, self.param_map, self.sch.path)
         saved = self._save([model, reference])
         self._tracker_start = get_rng_tracker().get_states()
-        ref_rec = _Recorder(reference, self.check_backward)
-        rec = _Recorder(model, self.check_backward)
+        ref_rec = Recorder(reference, self.check_backward)
+        rec = Recorder(model, self.check_backward)
         try:
             args, kwargs = self._inputs()
             first = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
@@ -639,7 +571,7 @@ class Verify:
             excess = [float("nan") if (e != e) else float(t) for e, t in zip(excess, tensor.tolist())]
         return excess
 
-    def _compare_records(self, records: list[_Record], ref_records: list[_Record], phase: str,
+    def _compare_records(self, records: list[Record], ref_records: list[Record], phase: str,
                          forward: bool) -> None:
         refs = {(r.path, r.call): r for r in ref_records}
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
