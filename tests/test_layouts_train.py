@@ -232,8 +232,8 @@ def test_bf16_under_a_pipeline_equals_one_process_under_the_same_policy(work):
     _close(pipe, one, BF16)
     # all but 1% of the entries within 1e-3, the rest within BF16_WEIGHTS
     _exported_equal(work / "bf16-pp-hf", work / "bf16-hf", 1e-3, share=0.01)
-    # FSDP2 stages: its MixedPrecisionPolicy (bf16 compute, fp32 reduction); each stage
-    # hands on its outputs in fp32, the dtype the next stage's buffers were sized in
+    # FSDP2 stages: its MixedPrecisionPolicy (bf16 compute, fp32 reduction); the stages
+    # send bf16 (split_stages(send_dtype=bf16)), the last hands bf16 logits to the loss
     fsdp = _train(work, "bf16-fsdp-pp", "--dtype", "bf16", "--pp", "2", "--n-microbatches",
                   "2", "--dp", "2", "--dp-mode", "fsdp",
                   "--save-pretrained", str(work / "bf16-fsdp-pp-hf"))

@@ -47,6 +47,39 @@ def test_stages_chained_compute_the_model(make, layers):
                                                  "cut_pipeline_stage"]
 
 
+def test_send_dtype_sends_the_floats_that_cross_in_the_compute_dtype():
+    """``split_stages(send_dtype=bf16)`` (what ``parallelize`` asks for stages that compute
+    in bf16 under FSDP2): every floating tensor that crosses a cut leaves its stage in bf16
+    and the stage metadata (the runtime's receive buffers) says bf16, half the bytes of
+    the trace's fp32; integers cross unchanged. Run in bf16, the chained stages compute
+    the bf16 model exactly."""
+    model = llama()
+    sch = tl.create_schedule(model)
+    sch.trace_until("model.layers.*", example_inputs={"input_ids": _ids()})
+    sch["model.layers.0"].cut_pipeline_stage()
+    plain = split_stages(sch, (_ids(),))
+    sent = split_stages(sch, (_ids(),), torch.bfloat16)
+
+    def floats(metas):
+        return [(tuple(t.shape), t.dtype) for t in metas if t.is_floating_point()]
+
+    crossing = floats(sent.metas[1][0])
+    assert crossing and all(dtype == torch.bfloat16 for _, dtype in crossing)
+    assert [shape for shape, _ in crossing] == [s for s, _ in floats(plain.metas[1][0])]
+    assert all(dtype == torch.float32 for _, dtype in floats(plain.metas[1][0]))
+    assert [t.dtype for t in sent.metas[1][0] if not t.is_floating_point()] == \
+        [t.dtype for t in plain.metas[1][0] if not t.is_floating_point()]
+    assert sent.metas[0][1] == sent.metas[1][0]  # what stage 0 sends, stage 1 receives
+    # fp32 stages: what leaves stage 0 is its fp32 output rounded to bf16
+    out32, out16 = plain.modules[0](_ids()), sent.modules[0](_ids())
+    for a, b in zip(out32, out16):
+        assert b.dtype == (torch.bfloat16 if a.is_floating_point() else a.dtype)
+        assert torch.equal(b, a.to(b.dtype))
+    # bf16 stages (FSDP2's compute): the chain is the bf16 model, bit for bit
+    model.to(torch.bfloat16)
+    assert torch.equal(_chain(sent, (_ids(),)), model(_ids()).logits)
+
+
 def test_cut_needs_a_traced_parent():
     sch = tl.create_schedule(tiny.gpt2())
     with pytest.raises(tl.ScheduleError, match=(

@@ -51,6 +51,29 @@ def test_layout_refuses_contradictions(kwargs, pattern):
     assert issubclass(tl.LayoutError, PlanError) and Layout is tl.Layout
 
 
+def test_bf16_stages_under_fsdp2_send_bf16():
+    """Pipeline stages that compute in bf16 under FSDP2's mixed precision send bf16 (as
+    ``parallelize`` builds them): the stage-to-stage bytes and the receive buffers are
+    half those of fp32 stages; under autocast (no FSDP2) the residual stream is fp32 and
+    so is what crosses."""
+    base = {"pp": 2, "n_microbatches": 2, "micro_batch": 2, "seq_len": SEQ}
+
+    def pipe(p):
+        return {(c.kind, c.group): c.bytes for r in p.roles for c in r.collectives
+                if c.group == "pp"}
+
+    fp32 = predict("llama", Layout(dp_shard=2, **base))
+    bf16 = predict("llama", Layout(dp_shard=2, mixed_precision="bf16", **base))
+    autocast = predict("llama", Layout(mixed_precision="bf16", **base))
+    # the floats halve; the position ids (int64, a few hundred bytes) cross unchanged
+    assert pipe(fp32) and pipe(bf16).keys() == pipe(fp32).keys()
+    for key, sent in pipe(fp32).items():
+        assert 0 <= 2 * pipe(bf16)[key] - sent <= 0.05 * sent
+    assert pipe(autocast) == pipe(fp32)
+    assert [2 * r.memory.buffers for r in bf16.roles] == \
+        pytest.approx([r.memory.buffers for r in fp32.roles], rel=0.05)
+
+
 def test_fsdp_under_a_pipeline_hsdp_and_virtual_stages_are_predicted():
     base = {"micro_batch": 1, "seq_len": SEQ}
     spec = model_spec("llama", size="small", seq_len=SEQ)  # 4 layers

@@ -19,14 +19,22 @@ from torchloom.runtime.launch import raise_first_failure, run_ranks
 SEQ = 32
 
 
-def _validate(world: int, cases: list[tuple[str, Layout]]) -> None:
+#: FSDP2 under a pipeline: the collectives are exact, stage 1's peak too (within 0.1%);
+#: the first stage's is over-predicted by about 12% (bf16) and 23% (fp32): its warm-up
+#: forwards under FSDP2 are walked with the pieces of a run without a pipeline, and what
+#: they keep there is not all kept here. Checked at 15% for bf16 so that it cannot drift.
+FSDP_PIPELINE = 0.15
+
+
+def _validate(world: int, cases: list[tuple[str, Layout]],
+              tolerance: dict[int, float] | None = None) -> None:
     preds = [predict(name, lay, "h100-80gb") for name, lay in cases]
     configs = [{"model": name, "layout": lay.to_dict()} for name, lay in cases]
     results = run_ranks(measure_many, world, configs, timeout_s=120)
     raise_first_failure(results, command="plan validation")
     for rank, per_rank in enumerate(results):
-        for (name, lay), pred, measured in zip(cases, preds, per_rank):
-            check = check_prediction(measured, pred)
+        for i, ((name, lay), pred, measured) in enumerate(zip(cases, preds, per_rank)):
+            check = check_prediction(measured, pred, (tolerance or {}).get(i, 0.10))
             what = f"{name} {lay.describe()} rank {rank}"
             assert check["within"], (what, check)
             assert check["collectives_equal"], (what, check)
@@ -58,7 +66,11 @@ def test_four_ranks_composed_layouts():
         # context parallelism inside the pipeline: K / V gathers, the loss summed over cp,
         # the gradients averaged over dp x cp
         ("llama", Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ)),
-    ])
+        # FSDP2 under a pipeline, bf16 stages under its mixed precision: what crosses the
+        # cut is bf16; each stage is an FSDP2 root of its own
+        ("llama", Layout(pp=2, dp_shard=2, n_microbatches=2, micro_batch=2, seq_len=SEQ,
+                         mixed_precision="bf16")),
+    ], tolerance={4: FSDP_PIPELINE})
 
 
 def test_tune_layouts_measures_the_best_predicted_and_never_runs_over_budget():

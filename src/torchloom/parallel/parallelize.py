@@ -71,7 +71,6 @@ checked to have built the same thing.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -510,10 +509,12 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
             (example_inputs["input_ids"],) if example_inputs else ()
         if cp_state is not None and example_inputs:
             micro = dict(example_inputs)  # input_ids and position_ids
+        # stages computing in bf16 under FSDP2's policy send bf16 (what their layers make)
+        send = policy.param_dtype if policy is not None else None
         pipe, _ = build(sch, target="pipeline", mesh=mesh, schedule=layout.pipeline_schedule,
                         n_microbatches=layout.micro_steps, loss_fn=loss_fn,
                         example_inputs=micro, device=device, weights=weights,
-                        strict=strict, stage_wrapper=wrapper)
+                        strict=strict, stage_wrapper=wrapper, send_dtype=send)
         done.model = done.module = pipe
         if lora is not None:  # what the adapters are, for save_adapter on the stages
             set_mark(pipe, LORA, get_mark(root.mod, LORA))
@@ -597,10 +598,4 @@ def _shard_stage(stage: nn.Module, mesh: Mesh | None, policy: Any,
                 units.append(path)
     done.fsdp_units += units
     experts = shard_experts(stage, mesh, policy)
-    root = None
-    if policy is not None and policy.param_dtype is not None:
-        # what crosses between stages was sized in the parameters' dtype: a stage in
-        # bf16 compute hands on its outputs cast back to it
-        root = dataclasses.replace(policy, output_dtype=_DTYPES[done.layout.param_dtype])
-    return fully_shard_model(stage, mesh, units, mp_policy=policy, root_policy=root,
-                             ignored=experts)
+    return fully_shard_model(stage, mesh, units, mp_policy=policy, ignored=experts)

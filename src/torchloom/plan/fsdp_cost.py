@@ -10,11 +10,16 @@ bytes a gathered layer holds, and the next layer's prefetch (used by
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
+from typing import Protocol, TypeVar
+
 from .layout import Layout
 from .profiles import Profile
 from .units import Units
 
-__all__ = ["DP_GROUPS", "fsdp_times", "prefetch_bytes", "stage_param_bytes", "unsharded_ratio"]
+__all__ = ["DP_GROUPS", "fsdp_times", "only_dp", "prefetch_bytes", "root_shares", "scaled_dp",
+           "stage_fsdp_fix", "stage_param_bytes", "stage_roots", "unsharded_ratio"]
 
 #: The mesh groups over which data-parallel gradients are reduced.
 DP_GROUPS = frozenset({"dp", "dp_replicate", "ep_replicas"})
@@ -63,3 +68,106 @@ def unsharded_ratio(layout: Layout, units: Units) -> float:
     compute = DTYPES[units.key.mixed_precision or units.key.param_dtype].itemsize
     param = DTYPES[units.key.param_dtype].itemsize
     return max(0.0, layout.dp_shard * layout.cp * compute / param - 1.0)
+
+
+def root_shares(units: Units) -> tuple[float, float]:
+    """The shares of the measured FSDP2 root (the parameters outside the layers: the
+    embedding ``E`` and the head ``H``, a weight they share counted once) that a
+    pipeline's first and last stage each gather, as a stage is a root of its own: ``E``
+    and ``H`` over the whole (a shared weight is in both stages, so the two may sum to
+    more than 1)."""
+    e, h = units.params["E"], units.params["H"]
+    whole = e + h - units.shared
+    if whole <= 0:
+        return 0.0, 0.0
+    return e / whole, h / whole
+
+
+def scaled_dp(comm: Counter, share: float) -> Counter:
+    """``comm`` (collective ``(kind, group, size, bytes)`` -> count) with the bytes of its
+    data-parallel collectives scaled by ``share``; the others as they are.
+
+    >>> scaled_dp(Counter({("all_gather", "dp", 2, 100): 1, ("all_reduce", "tp", 2, 8): 3}), 0.25)
+    Counter({('all_reduce', 'tp', 2, 8): 3, ('all_gather', 'dp', 2, 25): 1})
+    """
+    out: Counter = Counter()
+    for (kind, group, size, nbytes), count in comm.items():
+        scaled = round(nbytes * share) if group in DP_GROUPS else nbytes
+        if scaled > 0:
+            out[(kind, group, size, scaled)] += count
+    return out
+
+
+def only_dp(comm: Counter) -> Counter:
+    """The data-parallel collectives of ``comm``."""
+    return Counter({c: n for c, n in comm.items() if c[1] in DP_GROUPS})
+
+
+class Piece(Protocol):
+    """A piece of the predicted step as :mod:`torchloom.plan.predict` composes it: the
+    bytes it leaves allocated, its peak above its start, its collectives."""
+
+    delta: int
+    rise: int
+    comm: Counter
+
+
+P = TypeVar("P", bound=Piece)
+
+
+def _changed(piece: P, **values: object) -> P:
+    out = copy.copy(piece)
+    for name, value in values.items():
+        setattr(out, name, value)
+    return out
+
+
+def stage_roots(units: Units, e_f: P, e_b: P, h_f: P, h_b: P) -> tuple[P, P, P, P, int]:
+    """FSDP2 under a pipeline: each stage module is an FSDP2 root of its own, so the
+    measured root (the embedding and the head, gathered as the step starts and freed as
+    it ends) splits in two: the first stage gathers and reduces the embedding's part, the
+    last stage the head's (a tied weight: both). Returns the end pieces (embedding
+    forward and backward, head forward and backward) with the root's data-parallel
+    collectives divided so and the head's gathered bytes taken out of the embedding's
+    forward, and those bytes (the last stage gathers them as its forward starts).
+    Neither part is freed by a backward piece: a stage keeps its root gathered until its
+    last backward ends (the pipeline schedule reshards it then), and the walk frees both
+    at the end of the step."""
+    e_share, h_share = root_shares(units)
+    gathered = sum(c[3] * n for c, n in e_f.comm.items()
+                   if c[0] == "all_gather" and c[1] in DP_GROUPS)
+    head = round(gathered * h_share)
+    e_f2 = _changed(e_f, delta=e_f.delta - head, rise=max(0, e_f.rise - head),
+                    comm=scaled_dp(e_f.comm, e_share))
+    e_b2 = _changed(e_b, delta=e_b.delta + gathered, comm=scaled_dp(e_b.comm, e_share))
+    h_f2 = _changed(h_f, comm=h_f.comm + only_dp(scaled_dp(e_f.comm, h_share)))
+    h_b2 = _changed(h_b, comm=h_b.comm + only_dp(scaled_dp(e_b.comm, h_share)))
+    return e_f2, e_b2, h_f2, h_b2, head
+
+
+def stage_fsdp_fix(k: int, count: int, before: int, embedding_comm: Counter,
+                   head_comm: Counter, last_layer_comm: Counter | None) -> Counter:
+    """What FSDP2 under a pipeline collects differently in stage ``k`` of ``count`` from
+    the measured pieces (run without one), given the stage's ``before`` forwards before
+    its first backward and the forward collectives of the end pieces (after
+    :func:`stage_roots`) and of its last layer: its root is gathered once, by its first
+    forward, not by each forward before the first backward; and the first stage (not the
+    last too) gathers its last layer for that layer's backward itself, which in the
+    measurement the next layer's backward prefetched (each later stage's backward pieces
+    prefetch the layer before it instead: as many gathers, of one layer each).
+
+    >>> ag = ("all_gather", "dp", 2, 100)
+    >>> stage_fsdp_fix(0, 2, 3, Counter({ag: 1}), Counter(), Counter({ag: 1}))
+    Counter({('all_gather', 'dp', 2, 100): -1})
+    """
+    fix: Counter = Counter()
+    roots = (only_dp(embedding_comm) if k == 0 else Counter()) + \
+        (only_dp(head_comm) if k == count - 1 else Counter())
+    for c, num in roots.items():
+        if c[0] == "all_gather":
+            fix[c] -= num * max(0, before - 1)
+    if k == 0 and k != count - 1 and last_layer_comm is not None:
+        for c, num in only_dp(last_layer_comm).items():
+            if c[0] == "all_gather":
+                fix[c] += num
+    return fix

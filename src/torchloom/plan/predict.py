@@ -72,7 +72,14 @@ from typing import Any
 
 from ..core.errors import PlanError
 from ..parallel.lora import LoraSpec
-from .fsdp_cost import fsdp_times, prefetch_bytes, stage_param_bytes, unsharded_ratio
+from .fsdp_cost import (
+    fsdp_times,
+    prefetch_bytes,
+    stage_fsdp_fix,
+    stage_param_bytes,
+    stage_roots,
+    unsharded_ratio,
+)
 from .layout import OPTIMIZERS, Layout, check_model
 from .notes import layout_notes
 from .pipeline import bubble_share, order
@@ -134,7 +141,8 @@ def units_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None)
 def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) -> Crossing:
     # with context parallelism the stages exchange this rank's seq_len / cp positions
     seq = key.seq_len // key.cp
-    k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, seq, key.param_dtype)
+    k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, seq, key.param_dtype,
+         key.mixed_precision, key.fsdp > 1)
     if k not in _CROSSINGS:
         _CROSSINGS[k] = crossing(spec, dataclasses.replace(key, seq_len=seq, cp=1), schedule)
     return _CROSSINGS[k]
@@ -425,12 +433,15 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     e_b = _piece(seg["E.b"], profile, units.grads["E"], units.largest["E"])
     h_f = _piece(seg["H.f"], profile)
     h_b = _piece(seg["H.b"], profile, units.grads["H"] - units.shared, units.largest["H"])
+    head_root = 0
+    if layout.pp > 1 and units.key.fsdp > 1:
+        e_f, e_b, h_f, h_b, head_root = stage_roots(units, e_f, e_b, h_f, h_b)
     bounds = [-1, *layout.cuts(L), L - 1]
     spans = [range(bounds[k] + 1, bounds[k + 1] + 1) for k in range(layout.stages)]
     owner = layout.stage_ranks()
     roles = [_compose_rank(r, [k for k in range(layout.stages) if owner[k] == r], spans,
                            spec, layout, profile, units, cross, layers,
-                           (e_f, e_b, h_f, h_b))
+                           (e_f, e_b, h_f, h_b), head_root)
              for r in range(layout.pp)]
     n, pp = layout.micro_steps, layout.pp
     slowest = max(r.per_microbatch for r in roles)
@@ -452,11 +463,14 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
 
 
 def _stage_pieces(mine: range, first: bool, last: bool, layers: _Layers,
-                  ends: tuple[_Piece, _Piece, _Piece, _Piece]
+                  ends: tuple[_Piece, _Piece, _Piece, _Piece], head_root: int = 0
                   ) -> tuple[_Piece, _Piece, _Piece]:
-    """A stage's forward, first backward (creating its gradients) and later backward."""
+    """A stage's forward, first backward (creating its gradients) and later backward.
+    ``head_root``: the bytes a last stage's FSDP2 root gathers (:func:`~torchloom.plan.fsdp_cost.stage_roots`)."""
     e_f, e_b, h_f, h_b = ends
-    fwd = ([e_f] if first else []) + [layers.fwd[j] for j in mine] + ([h_f] if last else [])
+    gather = [_Piece(head_root, head_root, 0, 0.0, Counter())] if last and head_root else []
+    fwd = ([e_f] if first else []) + gather + [layers.fwd[j] for j in mine] + \
+        ([h_f] if last else [])
     bwd = ([h_b] if last else []) + [layers.bwd[j] for j in reversed(mine)] + \
         ([e_b] if first else [])
     return _fold(fwd, False), _fold(bwd, False), _fold(bwd, True)
@@ -477,7 +491,8 @@ def _trained(units: Units, layers: int, last: bool, params: int, tensors: int,
 
 def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelSpec,
                   layout: Layout, profile: Profile, units: Units, cross: Crossing | None,
-                  layers: _Layers, ends: tuple[_Piece, _Piece, _Piece, _Piece]) -> _Role:
+                  layers: _Layers, ends: tuple[_Piece, _Piece, _Piece, _Piece],
+                  head_root: int = 0) -> _Role:
     e_f, e_b, h_f, h_b = ends
     pp, n = layout.pp, layout.micro_steps
     count = layout.stages
@@ -527,17 +542,19 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     base = params + optimizer + model_buffers + runtime + ids_bytes
     walk = _Walk(base + outputs)
     walk.add(-outputs)
-    pieces = {k: _stage_pieces(spans[k], k == 0, k == count - 1, layers, ends)
+    pieces = {k: _stage_pieces(spans[k], k == 0, k == count - 1, layers, ends, head_root)
               for k in stages}
     # FSDP2 under a pipeline: from a stage's first backward its parameters stay
     # unsharded and its gradients accumulate unsharded (in the compute dtype); with
     # gradient accumulation and no pipeline, the gradients only (no_sync)
-    widen = unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
+    ratio = unsharded_ratio(layout, units) if fsdp else 0.0
+    widen = ratio if n > 1 else 0.0
     kept = 2 if pp > 1 else 1
-    # the first stage's FSDP2 root (embedding and head) is gathered by its first forward
-    # and not freed before a backward: its later forwards do not gather it again
-    root = min(max(0, ends[0].delta), round((1 + widen) * (
-        units.params["E"] + units.params["H"] - units.shared))) if widen else 0
+    # a stage's FSDP2 root (the first's: the embedding; the last's: the head) is gathered
+    # by its first forward and not freed before a backward: its later forwards do not
+    # gather it again
+    root = min(max(0, ends[0].delta), round((1 + ratio) * units.params["E"])) \
+        if fsdp and pp > 1 else 0
     acts = order(layout.pipeline_schedule, rank, pp, stages[0], layout.per_rank, n)
     gpipe = layout.pipeline_schedule == "GPipe"
     single = layout.per_rank == 1
@@ -552,8 +569,9 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         f_all, b_first, b_next = pieces[k]
         c_in, f_in, c_out, f_out = sizes[k]
         if action == "F":
-            if widen and pp > 1 and k == 0 and (before[k] or k in done):
-                walk.run(_less(f_all, root))  # the root's parameters stay gathered
+            if fsdp and pp > 1 and k in (0, count - 1) and (before[k] or k in done):
+                # the root's parameters stay gathered
+                walk.run(_less(f_all, root if k == 0 else head_root))
             else:
                 walk.run(f_all)
             if k not in done:
@@ -564,6 +582,9 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
             held_sends = 0
         if widen and k not in done:
             extra = round(kept * widen * stage_param_bytes(k, spans, count, units))
+            if pp > 1:  # the root's parameters are gathered already (held since its forward)
+                extra -= round(widen * ((units.params["E"] if k == 0 else 0)
+                                        + (units.params["H"] if k == count - 1 else 0)))
             walk.add(extra)
             unsharded += extra
         walk.run(b_next if k in done else b_first)
@@ -589,6 +610,8 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     single_sizes = sizes[stages[0]]
     walk.add(-held_grads * single_sizes[1] - held_sends * single_sizes[2])
     walk.add(-unsharded)
+    if fsdp and pp > 1:  # the stages' roots, resharded by their last backward
+        walk.add(-(root if first else 0) - (head_root if last else 0))
     if outputs:
         # the last stage's outputs (in the walk since their forwards, kept until the next
         # step starts) are concatenated at the end of the step: one more copy, briefly
@@ -616,6 +639,10 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
         for backward, part in ((False, f_all.comm), (True, b_first.comm)):
             for c, num in part.items():
                 comm[c] += num * fsdp_times(c, backward, fsdp, pp, n, before[k])
+        if fsdp and pp > 1:
+            comm.update(stage_fsdp_fix(k, count, before[k], ends[0].comm, ends[2].comm,
+                                        layers.fwd[spans[k][-1]].comm if spans[k] else None))
+    comm = Counter({c: v for c, v in comm.items() if v > 0})
     if ddp:
         # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
         comm[("all_reduce", "dp", layout.dp * layout.cp, grads - experts)] += 1

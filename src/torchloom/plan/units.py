@@ -621,7 +621,8 @@ class Crossing:
 def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) -> Crossing:
     """The tensors that cross a stage boundary (see :class:`Crossing`): a 3-layer model
     on meta, scheduled like the measurement, traced to its layers, cut after layers 0 and
-    1 and split on fake values."""
+    1 and split on fake values; in the compute dtype where FSDP2's mixed precision makes
+    the stages compute in it (``torchloom.parallelize`` sends them so)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..core.schedule import create_schedule
@@ -643,7 +644,9 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
             sch.trace_until(f"{spec.layers}.*", example_inputs=example)
         sch[f"{spec.layers}.0"].cut_pipeline_stage()
         sch[f"{spec.layers}.1"].cut_pipeline_stage()
-        stages = split_stages(sch, (example["input_ids"],))
+        mixed = key.fsdp > 1 and key.mixed_precision not in (None, key.param_dtype)
+        send = DTYPES[key.mixed_precision] if mixed and key.mixed_precision else None
+        stages = split_stages(sch, (example["input_ids"],), send)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for stage in stages.modules:
             _fake_params(stage, mode)
@@ -652,7 +655,9 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
             first = stages.modules[0](ids)
             # what the next stage receives: a leaf that needs a gradient where the sent
             # tensor needs one (the runtime sizes its buffers from the sent tensors)
-            received = [t.detach().requires_grad_(t.requires_grad) for t in first]
+            # (in the parameters' dtype: the stages here compute in it, no FSDP2 casts)
+            received = [(t.detach().to(DTYPES[key.param_dtype]) if t.is_floating_point() else t.detach())
+                        .requires_grad_(t.requires_grad) for t in first]
             second = stages.modules[1](*received)
 
     def describe(values: Any) -> tuple[tuple[tuple[int, ...], str, bool], ...]:

@@ -179,6 +179,7 @@ def build(
     init: str = "full",
     strict: bool = True,
     stage_wrapper: Callable[[nn.Module], nn.Module] | None = None,
+    send_dtype: torch.dtype | None = None,
 ) -> tuple[Any, torch.optim.Optimizer | None]:
     """Materialise and return the scheduled model, and optionally its optimizer.
 
@@ -253,6 +254,9 @@ def build(
         stage_wrapper: for ``"pipeline"``, applied to each of this rank's stage modules
             after materialisation and before the pipeline runtime sees them (FSDP2 per
             stage: :func:`torchloom.parallelize` passes ``fully_shard``).
+        send_dtype: for ``"pipeline"``, the dtype the floating-point tensors that cross a
+            cut are sent in (None: as traced). :func:`torchloom.parallelize` passes bf16
+            for stages that compute in bf16 under FSDP2's mixed precision.
 
     Returns:
         ``(model, optimizer)``: ``model`` is ``sch.mod`` (changed in place; wrapped in
@@ -342,7 +346,8 @@ def build(
 
         model = build_pipeline(sch, schedule=schedule, n_microbatches=n_microbatches,
                                loss_fn=loss_fn, example_inputs=example_inputs, group=pp_group,
-                               device=dev, stage_wrapper=stage_wrapper)
+                               device=dev, stage_wrapper=stage_wrapper,
+                               send_dtype=send_dtype)
     else:
         model = wrap_data_parallel(model, target, mesh, fsdp_units)
     opt = None

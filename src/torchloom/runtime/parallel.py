@@ -78,12 +78,11 @@ def _default_units(model: nn.Module) -> list[str]:
 
 
 def fully_shard_model(model: nn.Module, mesh: Any, units: list[str] | None = None,
-                      mp_policy: Any = None, root_policy: Any = None,
+                      mp_policy: Any = None,
                       ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` of each unit (default: every layer of the model's layer lists)
-    and of the root, on ``mesh`` (the data-parallel mesh), with ``mp_policy`` if given
-    (``root_policy`` for the root, if given: a pipeline stage's outputs keep the dtype the
-    receiving stage expects); the torchloom metadata of each parameter (its shard spec)
+    and of the root, on ``mesh`` (the data-parallel mesh), with ``mp_policy`` if given;
+    the torchloom metadata of each parameter (its shard spec)
     carries over. ``ignored``: parameters FSDP2 leaves whole and unreduced (the experts of
     expert parallelism, each rank its own)."""
     from torch.distributed.fsdp import fully_shard
@@ -110,8 +109,6 @@ def fully_shard_model(model: nn.Module, mesh: Any, units: list[str] | None = Non
         kwargs["ignored_params"] = ignored
     for name in chosen:
         fully_shard(model.get_submodule(name), **kwargs)
-    if root_policy is not None:
-        kwargs["mp_policy"] = root_policy
     fully_shard(model, **kwargs)
     for name, param in model.named_parameters():
         if name in before:

@@ -444,19 +444,20 @@ def build_pipeline(sch: Schedule, *, schedule: str = "1F1B", n_microbatches: int
                    loss_fn: Callable[..., torch.Tensor] | None = None,
                    example_inputs: tuple | dict | None = None, group: Any = None,
                    device: str | torch.device = "cpu",
-                   stage_wrapper: Callable[[nn.Module], nn.Module] | None = None
-                   ) -> PipelineModel:
+                   stage_wrapper: Callable[[nn.Module], nn.Module] | None = None,
+                   send_dtype: torch.dtype | None = None) -> PipelineModel:
     """Split, keep this rank's stages, and wrap them in the named schedule (see
     :func:`torchloom.build` with ``target="pipeline"``). ``stage_wrapper``: applied to
     each of this rank's stage modules before the runtime sees them (FSDP2's
-    ``fully_shard``; it must shard in place and return the module)."""
+    ``fully_shard``; it must shard in place and return the module). ``send_dtype``: the
+    dtype floating-point tensors cross the cuts in (:func:`split_stages`)."""
     from torch.distributed.pipelining import PipelineStage
 
     _check_pipeline_args(example_inputs, loss_fn)
     cls = _schedule_class(schedule)
     ranks = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    split = split_stages(sch, example_inputs)
+    split = split_stages(sch, example_inputs, send_dtype)
     num_stages = len(split.modules)
     mine = _my_stages(num_stages, schedule, group)
     dev = torch.device(device)

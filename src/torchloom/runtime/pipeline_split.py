@@ -301,12 +301,19 @@ def _example(sch: Schedule, example_inputs: tuple | dict | None) -> tuple | dict
     return made
 
 
-def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> Stages:
+def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None,
+                 send_dtype: torch.dtype | None = None) -> Stages:
     """Split the model of ``sch`` at its cut marks (see the module docstring).
 
     ``example_inputs`` is one micro-batch (a tuple of positional inputs or a dict of
     keyword inputs); None: :func:`torchloom.graph.tracing.dummy_inputs` of a transformers model.
     On a model with ``meta`` weights the example values are fake tensors.
+
+    ``send_dtype``: the floating-point tensors that cross a cut are cast to it where they
+    leave a stage, and the next stage receives them so (the stages of a model that computes in bf16 under
+    FSDP2's mixed precision send bf16, as their layers make it: half the bytes and half the
+    receive buffers of the parameters' fp32; the receiving stage's FSDP2 would cast them
+    to bf16 anyway). None: sent in the dtype the trace gave them.
     """
     example_inputs = _example(sch, example_inputs)
     root = sch.root
@@ -452,6 +459,9 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
             # sliced activation is made contiguous here; a no-op for the others)
             outs = [graph.call_method("contiguous", (env[n] if n in env else arg(n),))
                     for n in live[k + 1]]
+            if send_dtype is not None:
+                outs = [graph.call_method("to", (o, send_dtype)) if _is_float(values.get(n))
+                        else o for n, o in zip(live[k + 1], outs)]
             if not PIPELINE_SENDS_NON_FLOAT:
                 outs = [graph.call_function(to_transport, (o,)) if is_non_float(values.get(n))
                         else o for n, o in zip(live[k + 1], outs)]
@@ -477,7 +487,7 @@ def split_stages(sch: Schedule, example_inputs: tuple | dict | None = None) -> S
             if all(s != k for s, _ in owners[id(param)]):
                 owners[id(param)].append((k, name))
     ties = [places for places in owners.values() if len(places) > 1]
-    metas = _stage_metas(flat, args, kwargs, live, values, output_node)
+    metas = _stage_metas(flat, args, kwargs, live, values, output_node, send_dtype)
     return Stages(modules=modules, inputs=inputs, ties=ties, folded=folded, cuts=cuts, flat=flat,
                   metas=metas)
 
@@ -553,8 +563,13 @@ def _passes_grad(module: nn.Module, node: fx.Node, values: dict[fx.Node, Any],
     return any(t.requires_grad for t in tensors_in(out))
 
 
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _stage_metas(flat: fx.GraphModule, args: tuple, kwargs: dict, live: list[list[fx.Node]],
-                 values: dict[fx.Node, Any], output_node: fx.Node
+                 values: dict[fx.Node, Any], output_node: fx.Node,
+                 send_dtype: torch.dtype | None = None
                  ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None:
     """:attr:`Stages.metas` (see there); None where they cannot be given."""
     if not PIPELINE_SENDS_NON_FLOAT or kwargs or \
@@ -565,12 +580,14 @@ def _stage_metas(flat: fx.GraphModule, args: tuple, kwargs: dict, live: list[lis
         return None
     needs = _needs_grad(flat, values, args)
 
-    def meta(v: torch.Tensor, grad: bool) -> torch.Tensor:
-        t = torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+    def meta(v: torch.Tensor, grad: bool, sent: bool = False) -> torch.Tensor:
+        dtype = send_dtype if sent and send_dtype is not None and _is_float(v) else v.dtype
+        t = torch.empty(tuple(v.shape), dtype=dtype, device="meta")
         return t.requires_grad_(grad and (v.is_floating_point() or v.is_complex()))
 
     ins = [tuple(meta(a, a.requires_grad) for a in args)]
-    ins += [tuple(meta(values[n], n in needs) for n in live[k]) for k in range(1, len(live))]
+    ins += [tuple(meta(values[n], n in needs, sent=True) for n in live[k])
+            for k in range(1, len(live))]
     outs = [ins[k + 1] for k in range(len(live) - 1)] + [(meta(final, True),)]
     return list(zip(ins, outs))
 
