@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from torchloom.apps.plan_cli import app, train_command
 from torchloom.plan import Layout, get_profile, model_spec, predict
+from torchloom.plan.crossing import crossing
 from torchloom.plan.profiles import CUDA_RESERVE, measure_local
-from torchloom.plan.units import UnitKey, crossing, measure_units
+from torchloom.plan.units import UnitKey, measure_units
 
 SEQ = 32
 ENV = {"COLUMNS": "200"}

@@ -72,6 +72,7 @@ from typing import Any
 
 from ..core.errors import PlanError
 from ..parallel.lora import LoraSpec
+from .crossing import Crossing, crossing
 from .fsdp_cost import (
     fsdp_times,
     prefetch_bytes,
@@ -87,12 +88,10 @@ from .profiles import Profile, get_profile
 from .results import CollectiveTotal, Memory, Prediction, RolePrediction, Time
 from .spec import ModelSpec, model_spec
 from .units import (
-    Crossing,
     ScheduleFn,
     SegmentCost,
     UnitKey,
     Units,
-    crossing,
     extrapolate,
     measure_units,
 )

@@ -44,7 +44,7 @@ from .opcost import OpCost, flop_counter, grouped_mm_on_fake
 from .spec import DTYPES, ModelSpec
 from .tracking import Collective, fsdp_storage_resizes
 
-__all__ = ["UnitKey", "Units", "SegmentCost", "OpCost", "measure_units", "crossing",
+__all__ = ["UnitKey", "Units", "SegmentCost", "OpCost", "measure_units",
            "fake_world", "next_token_loss", "extrapolate", "flop_counter", "DEPTH",
            "CKPT_LAYERS"]
 
@@ -236,7 +236,7 @@ def apply_knobs(sch: Any, spec: ModelSpec, knobs: dict[str, Any],
     schedules.apply_schedule(sch, **knobs)
 
 
-def _fake_params(model: nn.Module, mode: Any) -> None:
+def fake_params(model: nn.Module, mode: Any) -> None:
     """Replace every meta parameter and buffer by a fake CPU tensor of its shape (tied
     parameters stay tied, gradient hooks stay on them); nothing is allocated."""
     memo: dict[int, torch.Tensor] = {}
@@ -402,7 +402,7 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
             for name, p in model.named_parameters():  # shard specs the hooks read
                 copy_meta(before[name], p)
         else:
-            _fake_params(model, mode)
+            fake_params(model, mode)
         with mode:
             inputs = spec.inputs(key.micro_batch, key.seq_len, device="cpu",
                                  labels=key.loss == "model")
@@ -579,93 +579,6 @@ def _run(spec: ModelSpec, key: UnitKey, model: nn.Module, layers: nn.ModuleList,
     return Units(key, ordered, part_params, shared, part_grads, largest, count,
                  {"E": buffers, "L": layer_buffers}, in_bytes, start, tracker.flops,
                  leftover)
-
-
-# --------------------------------------------------------------------------- pipelines
-
-
-@dataclass(frozen=True)
-class Crossing:
-    """What a pipeline sends over one stage boundary per micro-batch.
-
-    Attributes:
-        first: from the first stage (after the embedding and its layers): (shape, dtype,
-            whether a gradient is sent back for it) per tensor.
-        middle: over a boundary between two later stages.
-    """
-
-    first: tuple[tuple[tuple[int, ...], str, bool], ...]
-    middle: tuple[tuple[tuple[int, ...], str, bool], ...]
-
-    @staticmethod
-    def _bytes(items: tuple[tuple[tuple[int, ...], str, bool], ...], floats: bool) -> int:
-        total = 0
-        for shape, dtype, is_float in items:
-            if floats and not is_float:
-                continue
-            n = 1
-            for s in shape:
-                n *= s
-            total += n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        return total
-
-    def forward_bytes(self, boundary: int) -> int:
-        """Bytes sent forward over boundary ``boundary`` (0: after the first stage)."""
-        return self._bytes(self.first if boundary == 0 else self.middle, False)
-
-    def backward_bytes(self, boundary: int) -> int:
-        """Bytes of the gradients sent back over it (for the tensors that need one)."""
-        return self._bytes(self.first if boundary == 0 else self.middle, True)
-
-
-def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) -> Crossing:
-    """The tensors that cross a stage boundary (see :class:`Crossing`): a 3-layer model
-    on meta, scheduled like the measurement, traced to its layers, cut after layers 0 and
-    1 and split on fake values; in the compute dtype where FSDP2's mixed precision makes
-    the stages compute in it (``torchloom.parallelize`` sends them so)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..core.schedule import create_schedule
-    from ..runtime.parallel import init_mesh
-    from ..runtime.pipeline_split import split_stages
-
-    with fake_world(key.tp), grouped_mm_on_fake():
-        mesh = init_mesh(tp=key.tp, device_type="cpu")
-        model = spec.build(depth=3, dtype=DTYPES[key.param_dtype])
-        sch = create_schedule(model, group=mesh["tp"].get_group() if key.tp > 1 else None)
-        knobs: dict[str, Any] = {}
-        if key.tp > 1:
-            knobs["tp"] = True
-        if key.sp:
-            knobs["sequence_parallel"] = True
-        apply_knobs(sch, spec, knobs, schedule)
-        example = {"input_ids": torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)}
-        with unpacked_sequences():  # as parallelize traces a pipeline
-            sch.trace_until(f"{spec.layers}.*", example_inputs=example)
-        sch[f"{spec.layers}.0"].cut_pipeline_stage()
-        sch[f"{spec.layers}.1"].cut_pipeline_stage()
-        mixed = key.fsdp > 1 and key.mixed_precision not in (None, key.param_dtype)
-        send = DTYPES[key.mixed_precision] if mixed and key.mixed_precision else None
-        stages = split_stages(sch, (example["input_ids"],), send)
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        for stage in stages.modules:
-            _fake_params(stage, mode)
-        with mode:
-            ids = torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)
-            first = stages.modules[0](ids)
-            # what the next stage receives: a leaf that needs a gradient where the sent
-            # tensor needs one (the runtime sizes its buffers from the sent tensors)
-            # (in the parameters' dtype: the stages here compute in it, no FSDP2 casts)
-            received = [(t.detach().to(DTYPES[key.param_dtype]) if t.is_floating_point() else t.detach())
-                        .requires_grad_(t.requires_grad) for t in first]
-            second = stages.modules[1](*received)
-
-    def describe(values: Any) -> tuple[tuple[tuple[int, ...], str, bool], ...]:
-        # (shape, dtype, whether a gradient comes back for it)
-        return tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                      bool(t.requires_grad)) for t in values if isinstance(t, torch.Tensor))
-
-    return Crossing(describe(first), describe(second))
 
 
 # --------------------------------------------------------------------------- batch sizes
