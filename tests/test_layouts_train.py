@@ -69,12 +69,25 @@ def _llama(path: Path) -> Path:
     return path
 
 
+def _corpus(words: int = 8000) -> str:
+    """Fixed text, drawn from a seeded generator (not read from a file whose edits would
+    change every run's numbers): words of 1 to 9 lowercase letters, a line every 12."""
+    import random
+
+    rng = random.Random(0)
+    out = []
+    for i in range(words):
+        out.append("".join(rng.choice("etaoinshrdlucmfwypvbgk") for _ in range(rng.randint(1, 9))))
+        out.append("\n" if i % 12 == 11 else " ")
+    return "".join(out)
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
     _llama(root / "model")
     (root / "corpus").mkdir()
-    body = Path(__file__).read_text(encoding="utf-8") * 4
+    body = _corpus()
     (root / "corpus" / "a.txt").write_text(body, encoding="utf-8")
     return root
 
