@@ -312,6 +312,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
             }
             with open(out_path, "w") as f:
                 json.dump(result, f)
+        # no rank leaves while a peer still holds a connection to it (a gloo process whose
+        # peers left first can abort at exit: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

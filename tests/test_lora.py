@@ -24,7 +24,7 @@ import torchloom as tl
 from tests.test_chat_data import CHATML, CONVERSATION, make_tokenizer
 from torchloom.apps.cli import app
 from torchloom.apps.jobconfig import TrainConfig, TrainOptionError
-from torchloom.core.errors import LoraError, PretrainedError
+from torchloom.core.errors import CheckpointMismatchError, LoraError, PretrainedError
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=2, max_position_embeddings=256)
@@ -206,6 +206,18 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(root, tmp_path
     keys = list(FileSystemReader(ckpt.path).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if not k.startswith("optim")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+    # build(weights=) of it would leave the base uninitialised: refused, naming the fix
+    sch = tl.create_schedule(_meta(root / "qwen2"))
+    sch.lora(4, 8, ["q_proj", "v_proj"])
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"(?s)holds only the tensors that trained.*trainable_only=True.*"
+                             r"tl.build\(sch, weights='base-folder'\); tl.load"):
+        tl.build(sch, weights=run)
+    # the way it is meant: the base from its folder, then the adapters
+    sch = tl.create_schedule(_meta(root / "qwen2"))
+    sch.lora(4, 8, ["q_proj", "v_proj"])
+    built, _ = tl.build(sch, weights=str(root / "qwen2"))
+    assert tl.load(built, None, run) == 4
 
 
 def test_held_out_examples_loss_is_the_responses_loss_of_the_trained_adapter(root, tmp_path):

@@ -578,6 +578,27 @@ def _is_adapter(tensor: torch.Tensor) -> bool:
     return not tensor.is_meta and has_meta(tensor) and bool(get_meta(tensor).tags.get(TAG))
 
 
+def _whole_checkpoint(path: str, group: Any) -> Any:
+    """The checkpoint ``build(weights=path)`` reads every tensor from (verified, as
+    ``torchloom.load`` finds it); one that holds only the tensors that trained (a LoRA
+    run's adapters, ``save(trainable_only=True)``) is refused: the rest of the model
+    would be left uninitialised."""
+    from ..core.errors import CheckpointMismatchError
+    from .state import find_checkpoint
+
+    ckpt = find_checkpoint(path, group=group)
+    if ckpt.marker.get("trainable_only") is True:
+        raise CheckpointMismatchError(
+            "the checkpoint holds only the tensors that trained (a LoRA run's adapters, "
+            "saved with trainable_only=True), not the model's other weights, which build "
+            "would leave uninitialised", primitive=PRIMITIVE,
+            values={"path": ckpt.path, "step": ckpt.step, "trainable_only": True},
+            fix="build the base from its weights folder, then load the checkpoint into it: "
+            "model, opt = tl.build(sch, weights='base-folder'); tl.load(model, opt, "
+            f"{path!r}) (torchloom train --model base-folder --resume does both)")
+    return ckpt
+
+
 def _materialise(sch: Any, init_weights: Any, dev: torch.device,
                  param_init_fn: Callable[..., Any] | None, init: str,
                  weights: str | os.PathLike | None, strict: bool,
@@ -592,14 +613,14 @@ def _materialise(sch: Any, init_weights: Any, dev: torch.device,
     builder.collect()
     source: Any = None
     plan: Any = None
-    checkpoint_dir: str | None = None
+    checkpoint_dir: Any = None  # a verified Checkpoint of a torchloom save directory
     missing: list[str] = []
     if weights is not None:
         path = os.fspath(weights)
         by_id = {id(t.tensor): t for t in wts.model_keys(model)}
         covered: list[int] = []
         if wts.is_torchloom_checkpoint(path):
-            checkpoint_dir = path
+            checkpoint_dir = _whole_checkpoint(path, getattr(sch, "group", None))
             covered = [key for key, t in by_id.items() if t.persistent]
         else:
             if keep is not None:
