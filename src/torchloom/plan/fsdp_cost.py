@@ -122,14 +122,16 @@ def _changed(piece: P, **values: object) -> P:
     return out
 
 
-def stage_roots(units: Units, e_f: P, e_b: P, h_f: P, h_b: P) -> tuple[P, P, P, P, int]:
+def stage_roots(units: Units, e_f: P, e_b: P, h_f: P, h_b: P
+                ) -> tuple[P, P, P, P, int, int]:
     """FSDP2 under a pipeline: each stage module is an FSDP2 root of its own, so the
     measured root (the embedding and the head, gathered as the step starts and freed as
     it ends) splits in two: the first stage gathers and reduces the embedding's part, the
     last stage the head's (a tied weight: both). Returns the end pieces (embedding
     forward and backward, head forward and backward) with the root's data-parallel
     collectives divided so and the head's gathered bytes taken out of the embedding's
-    forward, and those bytes (the last stage gathers them as its forward starts).
+    forward, and the gathered bytes of each part, the embedding's and the head's (the
+    last stage gathers the head's as its forward starts).
     Neither part is freed by a backward piece: a stage keeps its root gathered until its
     last backward ends (the pipeline schedule reshards it then), and the walk frees both
     at the end of the step."""
@@ -142,7 +144,7 @@ def stage_roots(units: Units, e_f: P, e_b: P, h_f: P, h_b: P) -> tuple[P, P, P, 
     e_b2 = _changed(e_b, delta=e_b.delta + gathered, comm=scaled_dp(e_b.comm, e_share))
     h_f2 = _changed(h_f, comm=h_f.comm + only_dp(scaled_dp(e_f.comm, h_share)))
     h_b2 = _changed(h_b, comm=h_b.comm + only_dp(scaled_dp(e_b.comm, h_share)))
-    return e_f2, e_b2, h_f2, h_b2, head
+    return e_f2, e_b2, h_f2, h_b2, gathered - head, head
 
 
 def stage_fsdp_fix(k: int, count: int, before: int, embedding_comm: Counter,

@@ -432,15 +432,16 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     e_b = _piece(seg["E.b"], profile, units.grads["E"], units.largest["E"])
     h_f = _piece(seg["H.f"], profile)
     h_b = _piece(seg["H.b"], profile, units.grads["H"] - units.shared, units.largest["H"])
-    head_root = 0
+    roots = (0, 0)  # FSDP2 under a pipeline: the bytes each end stage's root gathers
     if layout.pp > 1 and units.key.fsdp > 1:
-        e_f, e_b, h_f, h_b, head_root = stage_roots(units, e_f, e_b, h_f, h_b)
+        e_f, e_b, h_f, h_b, *gathered = stage_roots(units, e_f, e_b, h_f, h_b)
+        roots = (gathered[0], gathered[1])
     bounds = [-1, *layout.cuts(L), L - 1]
     spans = [range(bounds[k] + 1, bounds[k + 1] + 1) for k in range(layout.stages)]
     owner = layout.stage_ranks()
     roles = [_compose_rank(r, [k for k in range(layout.stages) if owner[k] == r], spans,
                            spec, layout, profile, units, cross, layers,
-                           (e_f, e_b, h_f, h_b), head_root)
+                           (e_f, e_b, h_f, h_b), roots)
              for r in range(layout.pp)]
     n, pp = layout.micro_steps, layout.pp
     slowest = max(r.per_microbatch for r in roles)
@@ -491,8 +492,9 @@ def _trained(units: Units, layers: int, last: bool, params: int, tensors: int,
 def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelSpec,
                   layout: Layout, profile: Profile, units: Units, cross: Crossing | None,
                   layers: _Layers, ends: tuple[_Piece, _Piece, _Piece, _Piece],
-                  head_root: int = 0) -> _Role:
+                  roots: tuple[int, int] = (0, 0)) -> _Role:
     e_f, e_b, h_f, h_b = ends
+    root, head_root = roots  # the embedding's and the head's gathered FSDP2 roots
     pp, n = layout.pp, layout.micro_steps
     count = layout.stages
     first, last = 0 in stages, count - 1 in stages
@@ -546,14 +548,11 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     # FSDP2 under a pipeline: from a stage's first backward its parameters stay
     # unsharded and its gradients accumulate unsharded (in the compute dtype); with
     # gradient accumulation and no pipeline, the gradients only (no_sync)
-    ratio = unsharded_ratio(layout, units) if fsdp else 0.0
-    widen = ratio if n > 1 else 0.0
+    widen = unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
     kept = 2 if pp > 1 else 1
     # a stage's FSDP2 root (the first's: the embedding; the last's: the head) is gathered
     # by its first forward and not freed before a backward: its later forwards do not
-    # gather it again
-    root = min(max(0, ends[0].delta), round((1 + ratio) * units.params["E"])) \
-        if fsdp and pp > 1 else 0
+    # gather it again (``roots``)
     acts = order(layout.pipeline_schedule, rank, pp, stages[0], layout.per_rank, n)
     gpipe = layout.pipeline_schedule == "GPipe"
     single = layout.per_rank == 1
