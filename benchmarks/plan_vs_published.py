@@ -17,11 +17,9 @@ under tensor parallelism) and what it saves.
 
 The rows with context parallelism are predicted as configured: Table 2 (8B, 8 GPUs, FSDP
 x CP = 8, the sequence growing with the CP degree, 32,768 x CP tokens, full
-checkpointing) but its FSDP 1 x CP 8 row, where torchtitan shards FSDP2 over the CP ranks
-alone, which torchloom's layouts do not express (``dp_shard=1`` with ``cp`` runs DDP over
-them: a different run); Table 6's CP rows (405B, PP 8 x TP 8 x FSDP x CP) are listed and not
-predicted, since torchloom refuses context parallelism inside a pipeline
-(``Layout(pp>1, cp>1)``), so there is no torchloom run to predict.
+checkpointing) and Table 6 (405B, PP 8 x TP 8 x FSDP x CP), FSDP2 sharded over
+``dp_shard x cp`` as torchtitan shards it, the FSDP 1 x CP 8 rows over the CP ranks alone
+(``Layout(shard_cp=True)``).
 
 Usage (2 CPU cores, no GPU; about a minute)::
 
@@ -92,6 +90,7 @@ class Row:
         cuts = tuple(even_cuts(layers, stages)) if self.pp > 1 and layers % stages else None
         return Layout(
             dp_shard=self.fsdp, tp=self.tp, sp=self.tp > 1, pp=self.pp, cp=self.cp,
+            shard_cp=self.cp > 1,  # torchtitan: FSDP2 over dp_shard x cp, also dp_shard 1
             pipeline_schedule=self.schedule, stages_per_rank=per_rank if self.pp > 1 else None,
             stage_cuts=cuts, n_microbatches=micro, micro_batch=self.local_batch // micro,
             seq_len=self.seq_len, ac=self.ac, compile=self.compile, float8=self.float8,
@@ -180,13 +179,6 @@ def evaluate(rows: list[Row], root: str, profile: str = "h100-96gb") -> list[dic
             check_model(row.layout(), spec)
         except PlanError as exc:  # a layout torchloom or its planner does not take
             item["status"] = f"not predicted: {str(exc).splitlines()[0]}"
-            out.append(item)
-            continue
-        if row.cp > 1 and row.fsdp == 1:
-            # torchtitan shards FSDP2 over dp_shard x cp even with dp_shard = 1; torchloom
-            # shards only with dp_shard > 1 (else DDP over dp x cp): not the same run
-            item["status"] = ("not predicted: torchtitan runs FSDP2 over the CP ranks alone "
-                              "(dp_shard 1); torchloom's Layout(dp_shard=1, cp) runs DDP")
             out.append(item)
             continue
         start = time.perf_counter()

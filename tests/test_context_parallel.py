@@ -169,6 +169,25 @@ def test_layout_checks_context_parallelism():
         "tp1 cp2 pp2(1F1B x2) dp1(ddp) mb1 ckpt0 fp32"
 
 
+def test_layout_shard_cp():
+    """FSDP2 over the context-parallel ranks alone (torchtitan's dp_shard_cp with dp_shard
+    1), and HSDP across replicas of them; refused without cp and with expert parallelism."""
+    lay = tl.Layout(cp=4, shard_cp=True)
+    assert (lay.fsdp, lay.dp_mode, lay.shards) == (True, "fsdp", 4)
+    assert tl.Layout(cp=4).dp_mode == "ddp" and tl.Layout(cp=4).shards == 1
+    assert tl.Layout(dp_shard=2, cp=2).shards == 4  # shard_cp or not
+    hsdp = tl.Layout(dp_replicate=2, cp=2, shard_cp=True)
+    assert hsdp.dp_mode == "hsdp" and hsdp.describe().startswith("tp1 cp2 dp2(hsdp 2x1 over cp)")
+    with pytest.raises(LayoutError, match=r"shard_cp shards the weights over the "
+                       r"context-parallel ranks; it needs cp > 1(.|\n)*values: shard_cp=True, "
+                       r"cp=1(.|\n)*fix: Layout\(cp=2, shard_cp=True\)"):
+        tl.Layout(shard_cp=True)
+    with pytest.raises(LayoutError, match=r"with FSDP2 over the context-parallel ranks alone "
+                       r"\(shard_cp, dp_shard 1\) it is not supported(.|\n)*"
+                       r"fix: Layout\(dp_shard=2, cp=2, ep=2\)"):
+        tl.Layout(dp_replicate=2, cp=2, ep=2, shard_cp=True)
+
+
 def test_train_with_cp_on_too_few_ranks_says_the_launch_to_use():
     from torchloom.apps.train import TrainConfig, train_rank
     from torchloom.core.errors import TrainOptionError

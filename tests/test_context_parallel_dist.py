@@ -1,6 +1,7 @@
 """Context parallelism (issue 28) built by ``torchloom.parallelize``, on gloo: two ranks in
-one launch (cp 2 alone), four in another (cp 2 with tp 2, with and without sequence
-parallelism, and with FSDP2 over dp_shard x cp).
+one launch (cp 2 alone, and with FSDP2 over the cp ranks alone), four in another (cp 2
+with tp 2, with and without sequence parallelism, with FSDP2 over dp_shard x cp, and in a
+pipeline).
 
 Each layout is compared with one process on the same batch (64 tokens, a padded row and
 ignored labels): the loss on every rank, the logits gathered back into token order, and
@@ -16,6 +17,7 @@ import copy
 import functools
 import os
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from torchloom.core.errors import ContextParallelError
 from torchloom.core.marks import CONTEXT_PARALLEL, get_mark
 from torchloom.ops.context_parallel import gather_sequence
 from torchloom.parallel import Layout, create_schedule, init_mesh, parallelize
+from torchloom.plan.tracking import Tracker
 from torchloom.runtime.collectives import count_collectives
 
 LAYERS = 2
@@ -221,12 +224,77 @@ def _check_cp_with_fsdp(rank: int) -> None:
         torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
 
 
+def _check_cp_sharded(root: str, rank: int) -> None:
+    """FSDP2 over the context-parallel ranks alone (``shard_cp``, dp_shard 1: torchtitan's
+    layout): each rank holds half of every weight, the step equals one process, and an
+    optimizer step on the shards equals one on the whole model; ``torchloom train --cp 2
+    --dp-mode fsdp`` trains as DDP over the cp ranks does, and its checkpoint resumes
+    there."""
+    from torch.distributed.tensor import DTensor
+
+    from torchloom.apps.train import TrainConfig, train_rank
+
+    reference = _llama()
+    layout = Layout(cp=2, shard_cp=True, seq_len=SEQ)
+    done = _build(reference, layout)
+    assert done.fsdp and done.layout.dp_mode == "fsdp"
+    assert done.mesh.fsdp_mesh.mesh_dim_names == ("dp_shard_cp",)
+    # FSDP2's group is not the cp exchange's (here both are the whole world)
+    assert done.mesh.shard_group() is not done.mesh.group("cp")
+    params = list(done.module.parameters())
+    assert params and all(isinstance(p, DTensor) for p in params)
+    whole = sum(p.numel() for p in reference.parameters())
+    assert sum(p.to_local().numel() for p in params) <= whole // 2 + 64
+    batch = _batch(padded=True)
+    tracker = Tracker({done.mesh.group("cp").group_name: "cp",
+                       done.mesh.shard_group().group_name: "fsdp"})
+    with tracker:
+        out = done.model(**batch)
+        out.loss.backward()
+    kinds = Counter((c.kind, c.group) for c in tracker.collectives)
+    # the keys and values over the cp group (gathered in forward, their gradients
+    # reduce-scattered), the weights' all-gathers and the gradients' reduce-scatters over
+    # FSDP2's: the layers and the root in forward, the layers again for backward (the root
+    # stays gathered)
+    units = LAYERS + 1
+    assert kinds[("all_gather", "cp")] == kinds[("reduce_scatter", "cp")] == 2 * LAYERS, kinds
+    assert kinds[("all_gather", "fsdp")] == units + LAYERS, kinds
+    assert kinds[("reduce_scatter", "fsdp")] == units, kinds
+    ref = reference(**batch)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=2e-6, atol=1e-7)
+    assert_grads_match(done.module, reference, **TOL)
+    opt = torch.optim.SGD(done.model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt.step()
+    ref_opt.step()
+    ref_params = dict(reference.named_parameters())
+    for name, param in done.module.named_parameters():
+        torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
+    common = dict(model="llama", steps=4, batch_size=2, seq_len=32, progress=False)
+    sharded = train_rank(rank, TrainConfig(cp=2, dp_mode="fsdp", save_every=2, save_dir=root,
+                                           **common))
+    replicas = train_rank(rank, TrainConfig(cp=2, **common))
+    torch.testing.assert_close(torch.tensor(sharded["losses"]),
+                               torch.tensor(replicas["losses"]), rtol=1e-5, atol=0)
+    # every rank wrote its shards; the checkpoint resumes as DDP over the cp ranks
+    dist.barrier()
+    if rank == 0:  # as if the run had stopped after step 2
+        shutil.rmtree(os.path.join(root, "step-4"))
+    dist.barrier()
+    resumed = train_rank(rank, TrainConfig(cp=2, resume=True, save_dir=root, **common))
+    assert resumed["first_step"] == 3
+    torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                               torch.tensor(sharded["losses"][2:]), rtol=1e-5, atol=0)
+
+
 def _check_cp_in_pipeline(root: str, rank: int) -> None:
     """pp 2 x cp 2: each stage's sequences split over its two context-parallel ranks (the
     first stage given this rank's positions and their position ids, the last computing
     the loss of the whole sequences' shifted targets, summed over the group). It trains
     as pp 2 x dp 2 on the same batch (losses, evaluation, the gradient norm clipped), and
-    its checkpoint resumes at pp 2 x dp 2."""
+    its checkpoint resumes at pp 2 x dp 2. With each stage FSDP2-sharded over its
+    context-parallel ranks it trains the same."""
     from torchloom.apps.train import TrainConfig, train_rank
 
     common = dict(model="llama", steps=4, batch_size=4, seq_len=32, progress=False, pp=2,
@@ -234,6 +302,11 @@ def _check_cp_in_pipeline(root: str, rank: int) -> None:
     cp = train_rank(rank, TrainConfig(cp=2, save_dir=os.path.join(root, "cp"), **common))
     dp = train_rank(rank, TrainConfig(dp=2, save_dir=os.path.join(root, "dp"), **common))
     torch.testing.assert_close(torch.tensor(cp["losses"]), torch.tensor(dp["losses"]),
+                               rtol=1e-5, atol=0)
+    # each stage FSDP2-sharded over its two context-parallel ranks (shard_cp)
+    sharded = train_rank(rank, TrainConfig(cp=2, dp_mode="fsdp", **{**common, "steps": 2,
+                                                                   "save_every": 0}))
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(dp["losses"][:2]),
                                rtol=1e-5, atol=0)
     assert cp["eval_losses"].keys() == dp["eval_losses"].keys() == {2, 4}
     for step, value in cp["eval_losses"].items():
@@ -252,7 +325,8 @@ def _check_cp_in_pipeline(root: str, rank: int) -> None:
 
 def test_context_parallel_on_two_ranks(tmp_path):
     spawn(_check_cp_alone, _check_families, _check_verify, _check_cp_refusals, _check_train,
-          functools.partial(_check_resume, str(tmp_path)), timeout_s=300)
+          functools.partial(_check_resume, str(tmp_path / "dp")),
+          functools.partial(_check_cp_sharded, str(tmp_path / "sharded")), timeout_s=300)
 
 
 def test_context_parallel_on_four_ranks(tmp_path):

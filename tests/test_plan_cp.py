@@ -91,6 +91,34 @@ def test_fsdp_shards_over_dp_shard_times_cp(spec):
     assert cp.optimizer == pytest.approx(base.optimizer / 4, rel=0.01)
 
 
+def test_fsdp_over_the_cp_ranks_alone(spec):
+    """shard_cp (torchtitan's FSDP2 over dp_shard x cp with dp_shard 1): the weights and
+    the optimizer state halve against DDP over the cp ranks; FSDP2's all-gathers and
+    reduce-scatters replace DDP's all-reduce, beside the K / V exchange over cp."""
+    ddp = predict(spec, Layout(cp=2, seq_len=SEQ), "h100-80gb").roles[0]
+    fsdp = predict(spec, Layout(cp=2, shard_cp=True, seq_len=SEQ), "h100-80gb").roles[0]
+    two = predict(spec, Layout(dp_shard=2, seq_len=SEQ), "h100-80gb").roles[0]
+    assert fsdp.memory.optimizer == two.memory.optimizer
+    assert fsdp.memory.optimizer == pytest.approx(ddp.memory.optimizer / 2, rel=0.01)
+    kinds = {(c.kind, c.group) for c in fsdp.collectives}
+    assert {("all_gather", "cp"), ("reduce_scatter", "cp"), ("all_gather", "dp"),
+            ("reduce_scatter", "dp")} <= kinds
+    assert ("all_reduce", "dp") not in kinds
+    assert ("all_reduce", "dp") in {(c.kind, c.group) for c in ddp.collectives}
+
+
+def test_cli_fsdp_over_cp(tmp_path):
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["llama", "--gpus", "2", "--cp", "2", "--tp", "1",
+                                      "--pp", "1", "--dp-mode", "fsdp", "--seq-len", str(SEQ),
+                                      "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "dp1(fsdp over cp)" in result.output
+    assert "--cp 2 --dp-mode fsdp" in result.output  # the torchloom train command
+    data = json.loads(out.read_text())
+    assert data["layout"]["shard_cp"] is True and data["layout"]["dp_shard"] == 1
+
+
 def test_pipeline_with_cp(spec):
     """Each stage's sequences split over its cp ranks: every stage gathers K / V over cp,
     the stages exchange seq_len / cp positions, the last sums the loss over cp."""
@@ -127,3 +155,8 @@ def test_search_tries_valid_cp_degrees(spec):
     cps = {lay.cp for lay in layouts}
     assert cps == {1, 2}  # 20 tokens split into 2 x cp chunks for cp 1, 2 only (not 4, 8)
     assert all(lay.world == 8 for lay in layouts)
+    # one data-parallel rank beside cp: DDP over the cp ranks, and FSDP2 over them
+    layouts, _ = enumerate_layouts(spec, 4, batch_size=4, seq_len=32, cp=2, tp=2, pp=1,
+                                   micro_batches=(1,), ckpt_ratios=(0.0,))
+    assert {(lay.dp, lay.dp_mode, lay.shard_cp) for lay in layouts} == {
+        (1, "ddp", False), (1, "fsdp", True)}

@@ -55,6 +55,11 @@ def test_two_ranks_fsdp_and_pipeline():
                          seq_len=SEQ)),
         ("llama", Layout(pp=2, n_microbatches=4, micro_batch=2, seq_len=SEQ,
                          ckpt_ratio=1.0)),
+        # context parallelism alone: DDP over the cp ranks, and FSDP2 over them (shard_cp;
+        # the gradients' group is its own, apart from the K / V exchange's)
+        ("llama", Layout(cp=2, micro_batch=2, seq_len=SEQ)),
+        ("llama", Layout(cp=2, shard_cp=True, micro_batch=2, grad_accum=2, seq_len=SEQ,
+                         mixed_precision="bf16")),
     ])
 
 

@@ -171,7 +171,8 @@ def train(
                            "experts)."),
     dp: int = typer.Option(_train_default("dp"), help="Data-parallel degree."),
     dp_mode: str = typer.Option(_train_default("dp_mode"), help="ddp (replicas), fsdp "
-                                "(FSDP2 shards) or hsdp (--dp-replicate groups of shards)."),
+                                "(FSDP2 shards over the dp x cp ranks, also with --dp 1 "
+                                "--cp N) or hsdp (--dp-replicate groups of shards)."),
     dp_replicate: int = typer.Option(_train_default("dp_replicate"), help="With --dp-mode "
                                      "hsdp: replica groups (the --dp ranks are R groups of "
                                      "dp / R FSDP2 shards)."),

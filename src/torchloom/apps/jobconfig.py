@@ -254,8 +254,9 @@ class TrainConfig:
     @property
     def fsdp(self) -> bool:
         """Whether FSDP2 shards the model (``dp_mode`` fsdp or hsdp, over 2 or more
-        ranks)."""
-        return self.dp > 1 and self.dp_mode in ("fsdp", "hsdp")
+        ranks of ``dp x cp``: with ``--cp``, FSDP2 shards over the context-parallel ranks
+        too, also with ``--dp 1``)."""
+        return self.dp * self.cp > 1 and self.dp_mode in ("fsdp", "hsdp")
 
     def warmup(self) -> int:
         """The warm-up steps in effect."""
@@ -276,6 +277,7 @@ class TrainConfig:
         micro = self.micro_batch() // self.n_microbatches if self.pp > 1 else self.micro_batch()
         return Layout(
             dp_replicate=replicate, dp_shard=self.dp // replicate, tp=self.tp, cp=self.cp,
+            shard_cp=self.dp_mode != "ddp" and self.cp > 1,
             ep=self.ep, sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
             stages_per_rank=self.stages_per_rank, stage_cuts=self.stage_cuts,
             n_microbatches=self.n_microbatches if self.pp > 1 else 1,

@@ -136,7 +136,7 @@ def train_command(spec: ModelSpec, layout: Layout, device: str = "cuda",
     for name in ("tp", "cp", "dp", "ep", "pp"):
         if getattr(layout, name) > 1:
             flags += [f"--{name}", str(getattr(layout, name))]
-    if layout.dp > 1:
+    if layout.dp > 1 or layout.fsdp:
         flags += ["--dp-mode", layout.dp_mode]
     if layout.dp_mode == "hsdp":
         flags += ["--dp-replicate", str(layout.dp_replicate)]
@@ -330,7 +330,8 @@ def _degrees(gpus: int, tp: int | None, pp: int | None, dp: int | None
 def plan_layout(spec: ModelSpec, *, tp: int, pp: int, dp: int, dp_mode: str | None,
                 dp_replicate: int | None, micro_steps: int, **fields: Any) -> Layout:
     """The layout of the command line's degrees: ``--dp N --dp-mode ddp|fsdp`` (or
-    ``hsdp`` with ``--dp-replicate R``) as the two data-parallel fields, the micro-steps
+    ``hsdp`` with ``--dp-replicate R``) as the two data-parallel fields (with ``--cp``,
+    FSDP2 and HSDP shard over the dp x cp ranks: ``shard_cp``), the micro-steps
     as the pipeline's micro-batches (``pp > 1``) or gradient accumulation; the stage cuts
     of an uneven split when the layers do not divide into the stages (the even split
     :func:`~torchloom.core.rules.even_cuts` gives)."""
@@ -347,6 +348,8 @@ def plan_layout(spec: ModelSpec, *, tp: int, pp: int, dp: int, dp_mode: str | No
         data: dict[str, Any] = {"dp_replicate": dp_replicate, "dp_shard": dp // dp_replicate}
     else:
         data = dict(data_parallel(dp, dp_mode or "ddp"))
+    if fields.get("cp", 1) > 1 and dp_mode in ("fsdp", "hsdp"):
+        data["shard_cp"] = True  # FSDP2 over dp x cp, also with one data-parallel rank
     steps: dict[str, Any] = ({"n_microbatches": micro_steps} if pp > 1
                              else {"grad_accum": micro_steps})
     if pp == 1:

@@ -238,7 +238,7 @@ class _Run:
         self.examples = self.corpus.examples
         self.lora = (parse_lora(cfg.lora, seed=cfg.seed, base_dtype=cfg.lora_base_dtype)
                      if cfg.lora else None)
-        self.fsdp = cfg.fsdp
+        self.fsdp = self.layout.fsdp
         self.built: Parallelized | None = None
         self.checkpoint: str | None = None
 

@@ -15,7 +15,9 @@ the dimensions of the device mesh :func:`~torchloom.parallel.mesh.init_mesh` mak
 * ``cp`` context-parallel ranks: each sequence is split between them (load-balanced
   chunk pairs, :mod:`torchloom.primitives.context_parallel`); they hold the same
   parameters, so gradients are averaged over ``dp_replicate x dp_shard x cp`` and FSDP2
-  shards over ``dp_shard x cp`` (torchtitan's layout); ``seq_len`` must be a multiple of
+  shards over ``dp_shard x cp`` (torchtitan's layout). With ``dp_shard`` 1 they are DDP
+  replicas, unless ``shard_cp``: then FSDP2 shards over the ``cp`` ranks alone (HSDP with
+  ``dp_replicate`` > 1), as torchtitan does whenever ``cp`` > 1; ``seq_len`` must be a multiple of
   ``2 cp`` (``2 cp tp`` with sequence parallelism); inside a pipeline, each stage's
   sequences are split over its context-parallel ranks;
 * ``ep`` expert-parallel ranks, folded into the data-parallel ones (torchtitan's layout;
@@ -53,6 +55,9 @@ by :meth:`Layout.check_world` and by the planner's ``check_model``.
 'tp2 pp2(1F1B x4) dp2(fsdp) mb2 ckpt0 fp32'
 >>> Layout(dp_replicate=2, dp_shard=2).describe()
 'tp1 dp4(hsdp 2x2) mb1 ckpt0 fp32'
+>>> lay = Layout(cp=4, shard_cp=True)  # FSDP2 over the context-parallel ranks alone
+>>> lay.dp_mode, lay.shards, lay.describe()
+('fsdp', 4, 'tp1 cp4 dp1(fsdp over cp) mb1 ckpt0 fp32')
 >>> Layout(pp=2, pipeline_schedule="Interleaved1F1B", n_microbatches=4).stages
 4
 >>> Layout(pp=2, n_microbatches=1)
@@ -143,6 +148,9 @@ class Layout:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    shard_cp: bool = False
+    """FSDP2 over the context-parallel ranks when ``dp_shard`` is 1 (instead of DDP);
+    with ``dp_shard`` > 1 FSDP2 shards over ``dp_shard x cp`` anyway."""
     ep: int = 1
     pp: int = 1
     pipeline_schedule: str = "1F1B"
@@ -184,9 +192,20 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 shards the weights (over ``dp_shard x cp`` ranks): ``dp_shard`` > 1,
+        or ``shard_cp`` with ``cp`` > 1."""
+        return self.dp_shard > 1 or (self.shard_cp and self.cp > 1)
+
+    @property
+    def shards(self) -> int:
+        """The ranks FSDP2 shards each weight over (``dp_shard x cp``; 1 without FSDP2)."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
     def dp_mode(self) -> str:
         """``"hsdp"``, ``"fsdp"`` or ``"ddp"`` (also for one data-parallel rank)."""
-        if self.dp_shard > 1:
+        if self.fsdp:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp"
 
@@ -275,7 +294,7 @@ class Layout:
         elif self.micro_steps > 1:
             parts.append(f"accum{self.micro_steps}")
         mode = (f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp"
-                else self.dp_mode)
+                else self.dp_mode) + (" over cp" if self.dp_shard == 1 and self.fsdp else "")
         parts.append(f"dp{self.dp}({mode})")
         parts.append(f"mb{self.micro_batch}")
         parts.append(f"ac{self.ac}" if self.ac else f"ckpt{self.ckpt_ratio:g}")
@@ -309,6 +328,23 @@ class Layout:
                          "dp_shard": self.dp_shard},
                         f"{fix}, or {name} a multiple of {self.ep}")
 
+    def _check_shard_cp(self) -> None:
+        if not isinstance(self.shard_cp, bool):
+            raise _fail("shard_cp is True or False", {"shard_cp": self.shard_cp},
+                        "Layout(cp=2, shard_cp=True)")
+        if self.cp == 1:
+            raise _fail("shard_cp shards the weights over the context-parallel ranks; it "
+                        "needs cp > 1", {"shard_cp": True, "cp": 1},
+                        "Layout(cp=2, shard_cp=True), or dp_shard=N for FSDP2 over "
+                        "data-parallel ranks")
+        if self.ep > 1 and self.dp_shard == 1:
+            raise _fail("expert parallelism folds into the data-parallel ranks; with "
+                        "FSDP2 over the context-parallel ranks alone (shard_cp, dp_shard 1) "
+                        "it is not supported", {"shard_cp": True, "dp_shard": 1, "ep": self.ep,
+                                                "cp": self.cp},
+                        f"Layout(dp_shard={self.ep}, cp={self.cp}, ep={self.ep}), or "
+                        "shard_cp=False (DDP over the context-parallel ranks)")
+
     def _check_cp(self) -> None:
         unit = 2 * self.cp * (self.tp if self.sp else 1)
         if self.seq_len % unit:
@@ -332,6 +368,8 @@ class Layout:
             self._check_ep()
         if self.cp > 1:
             self._check_cp()
+        if self.shard_cp:
+            self._check_shard_cp()
         if not isinstance(self.ckpt_ratio, (int, float)) or isinstance(self.ckpt_ratio, bool) \
                 or not 0 <= self.ckpt_ratio <= 1:
             raise _fail("ckpt_ratio must be a number between 0 and 1 (the share of layers "

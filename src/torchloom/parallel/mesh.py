@@ -89,6 +89,6 @@ def checkpoint_group(layout: Layout, mesh: Mesh | None) -> tuple[Any, bool]:
     resumes into another layout by loading it (resharded on load)."""
     if mesh is None:
         return None, True
-    if layout.dp_shard > 1 or layout.ep > 1:
+    if layout.fsdp or layout.ep > 1:
         return None, True
     return mesh.group("model"), mesh.local_rank("dp") == 0 and mesh.local_rank("cp") == 0

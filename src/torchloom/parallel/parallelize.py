@@ -39,9 +39,10 @@ uses) are applied in one place. In order:
    (planner only for now).
 6. **Build**: materialise (``weights``: each rank reads its own slices), then the data
    parallelism, per pipeline stage: FSDP2 ``fully_shard`` of each layer and of the root
-   (of each stage module under a pipeline) over ``dp_shard`` (HSDP: the 2-D
-   ``(dp_replicate, dp_shard)`` mesh), with the layout's ``MixedPrecisionPolicy``; DDP
-   over the ``dp`` group without FSDP (under a pipeline, :meth:`Parallelized.reduce_gradients`
+   (of each stage module under a pipeline) over ``dp_shard`` (``dp_shard x cp`` with
+   context parallelism, the ``cp`` ranks alone with ``layout.shard_cp``; HSDP: the 2-D
+   ``(dp_replicate, shards)`` mesh), with the layout's ``MixedPrecisionPolicy``; DDP
+   over the ``dp`` group (``dp x cp``) without FSDP (under a pipeline, :meth:`Parallelized.reduce_gradients`
    averages the gradients after each step).
 
 A training loop calls :meth:`Parallelized.reduce_gradients` after each step's backward
@@ -155,7 +156,8 @@ class Parallelized:
 
     @property
     def fsdp(self) -> bool:
-        return self.layout.dp_shard > 1
+        """Whether FSDP2 shards the weights (:attr:`Layout.fsdp <torchloom.Layout.fsdp>`)."""
+        return self.layout.fsdp
 
     @property
     def loss_group(self) -> Any:
@@ -494,15 +496,15 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
     if before_build is not None:
         before_build()
     units = [path for stack in done.stacks for path, _ in _items(sch, stack)]
-    if layout.dp_shard > 1:
+    if layout.fsdp:
         done.groups["fsdp"] = PIECES["fsdp"]
         done.groups["data"] = PIECES["data"]
     elif layout.dp_replicate > 1:
         done.groups["data"] = PIECES["data"]
-    policy = mp_policy(layout) if layout.dp_shard > 1 else None
+    policy = mp_policy(layout) if layout.fsdp else None
     if layout.pp > 1:
         wrapper = None
-        if layout.dp_shard > 1:
+        if layout.fsdp:
             def wrapper(stage: nn.Module) -> nn.Module:
                 return _shard_stage(stage, mesh, policy, done)
         micro: tuple[Any, ...] | dict[str, Any] = \
@@ -524,14 +526,14 @@ def parallelize(sch: Schedule, layout: Layout, *, mesh: Mesh | None = None,
         return done
     # context-parallel ranks average their gradients too (DDP over dp x cp when no FSDP2)
     replicas = layout.dp_replicate * layout.cp
-    target = "ddp" if replicas > 1 and layout.dp_shard == 1 else None
+    target = "ddp" if replicas > 1 and not layout.fsdp else None
     if target == "ddp" and ignored:  # each rank's own experts: averaged by reduce_gradients
         from torch.nn.parallel import DistributedDataParallel
 
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(sch.mod, ignored)
     built, _ = build(sch, target=target, mesh=mesh, device=device, weights=weights,
                      strict=strict)
-    if layout.dp_shard > 1:
+    if layout.fsdp:
         done.fsdp_units = units
         whole = shard_experts(built, mesh, policy)
         built = fully_shard_model(built, mesh, units, mp_policy=policy, ignored=whole)

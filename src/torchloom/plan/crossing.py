@@ -84,7 +84,7 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
             sch.trace_until(f"{spec.layers}.*", example_inputs=example)
         sch[f"{spec.layers}.0"].cut_pipeline_stage()
         sch[f"{spec.layers}.1"].cut_pipeline_stage()
-        mixed = key.fsdp > 1 and key.mixed_precision not in (None, key.param_dtype)
+        mixed = key.sharded and key.mixed_precision not in (None, key.param_dtype)
         send = DTYPES[key.mixed_precision] if mixed and key.mixed_precision else None
         stages = split_stages(sch, (example["input_ids"],), send)
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -30,7 +30,7 @@ def prefetch_bytes(layout: Layout, profile: Profile, units: Units) -> int:
     issued while the current layer computes (its copy stream runs ahead), so one more
     layer's unsharded parameters, in the compute dtype, are live at the peak than the
     measurement (which runs the collectives in line) holds. None on a CPU."""
-    if layout.dp_shard == 1 or not profile.overlap:
+    if not layout.fsdp or not profile.overlap:
         return 0
     gathered = units.params["L2"] - units.extra.get("expert_params", 0)  # experts: whole
     return round((1.0 + unsharded_ratio(layout, units)) * gathered)

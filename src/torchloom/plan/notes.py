@@ -22,7 +22,7 @@ def layout_notes(layout: Layout, units: Units) -> tuple[str, ...]:
     in sentences: FSDP2's mixed precision and gradient accumulation, HSDP, context and
     expert parallelism, the interleaved schedules."""
     notes = []
-    fsdp = units.key.fsdp > 1
+    fsdp = units.key.sharded
     n = layout.micro_steps
     if units.key.mixed_precision and fsdp:
         reduce = layout.reduce_dtype or layout.param_dtype
@@ -41,7 +41,7 @@ def layout_notes(layout: Layout, units: Units) -> tuple[str, ...]:
                      f"all-reduced across {layout.dp_replicate} replicas")
     if layout.cp > 1:
         shard = (f"FSDP2 shards over dp_shard x cp = {layout.dp_shard * layout.cp} ranks"
-                 if layout.dp_shard > 1 else f"DDP over dp x cp = {layout.dp * layout.cp}")
+                 if layout.fsdp else f"DDP over dp x cp = {layout.dp * layout.cp}")
         notes.append(f"context parallelism: {layout.seq_len // layout.cp} of "
                      f"{layout.seq_len} tokens per rank; each layer all-gathers K and V "
                      f"over {layout.cp} ranks (not overlapped with compute); {shard}")

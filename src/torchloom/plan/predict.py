@@ -141,9 +141,12 @@ def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) ->
     # with context parallelism the stages exchange this rank's seq_len / cp positions
     seq = key.seq_len // key.cp
     k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, seq, key.param_dtype,
-         key.mixed_precision, key.fsdp > 1)
+         key.mixed_precision, key.sharded)
     if k not in _CROSSINGS:
-        _CROSSINGS[k] = crossing(spec, dataclasses.replace(key, seq_len=seq, cp=1), schedule)
+        # (without context parallelism: FSDP2's shards are then dp_shard x cp ranks)
+        shards = key.fsdp * key.cp if key.sharded else key.fsdp
+        _CROSSINGS[k] = crossing(spec, dataclasses.replace(key, seq_len=seq, cp=1, fsdp=shards,
+                                                           shard_cp=False), schedule)
     return _CROSSINGS[k]
 
 
@@ -347,10 +350,11 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
     key = UnitKey(layout.tp, layout.sp, layout.micro_batch, layout.seq_len,
                   layout.param_dtype, mixed, layout.dp_shard,
                   "model" if layout.pp == 1 else "next_token",
-                  layout.dp_replicate if layout.dp_shard > 1 else 1,
-                  layout.reduce_dtype if layout.dp_shard > 1 else None,
+                  layout.dp_replicate if layout.fsdp else 1,
+                  layout.reduce_dtype if layout.fsdp else None,
                   "op" if layout.ac == "op" else None, layout.loss, layout.cp, layout.ep,
-                  float(imbalance) if layout.ep > 1 else 1.0, lora)
+                  float(imbalance) if layout.ep > 1 else 1.0, lora,
+                  layout.fsdp and layout.dp_shard == 1)
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
@@ -433,7 +437,7 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
     h_f = _piece(seg["H.f"], profile)
     h_b = _piece(seg["H.b"], profile, units.grads["H"] - units.shared, units.largest["H"])
     roots = (0, 0)  # FSDP2 under a pipeline: the bytes each end stage's root gathers
-    if layout.pp > 1 and units.key.fsdp > 1:
+    if layout.pp > 1 and units.key.sharded:
         e_f, e_b, h_f, h_b, *gathered = stage_roots(units, e_f, e_b, h_f, h_b)
         roots = (gathered[0], gathered[1])
     bounds = [-1, *layout.cuts(L), L - 1]
@@ -498,7 +502,7 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     pp, n = layout.pp, layout.micro_steps
     count = layout.stages
     first, last = 0 in stages, count - 1 in stages
-    fsdp = units.key.fsdp > 1
+    fsdp = units.key.sharded
     ddp = layout.dp * layout.cp > 1 and not fsdp  # DDP averages over dp x cp
     mine = [j for k in stages for j in spans[k]]
     # ---- what the rank holds

@@ -15,7 +15,8 @@ the layout is predicted without it); the checkpoint ratios (or
 degree asked for (``cp``, 1 by default; ``cp=None`` tries every degree that divides the
 ranks left by tensor parallelism, without a pipeline, where the sequence splits into
 ``2 cp`` chunks (``2 cp tp`` with sequence parallelism): the data-parallel degree is then
-``gpus / (tp x pp x cp)``, and FSDP2 shards over ``dp_shard x cp``); expert parallelism at
+``gpus / (tp x pp x cp)``, and FSDP2 shards over ``dp_shard x cp``; with one data-parallel
+rank, DDP over the ``cp`` ranks and FSDP2 over them, ``shard_cp``); expert parallelism at
 the degree asked for (``ep``, 1 by default; ``ep=None`` tries every degree that divides the
 model's experts and the data-parallel ranks it folds into). What a degree fixed by the
 caller leaves is searched. Every layout is a :class:`torchloom.Layout` as
@@ -82,15 +83,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _modes(d: int, dp_mode: str | None, dp_replicate: int | None) -> list[tuple[int, int]]:
-    """``(dp_replicate, dp_shard)`` pairs of ``d`` data-parallel ranks."""
+def _modes(d: int, dp_mode: str | None, dp_replicate: int | None,
+           cp: int = 1) -> list[tuple[int, int, bool]]:
+    """``(dp_replicate, dp_shard, shard_cp)`` of ``d`` data-parallel ranks beside ``cp``
+    context-parallel ones (one data-parallel rank: DDP over the ``cp`` ranks, and FSDP2
+    over them unless ``dp_mode`` is ``"ddp"``)."""
     if d == 1:
-        return [(1, 1)]
+        if cp > 1 and dp_mode in (None, "fsdp"):
+            return [(1, 1, False), (1, 1, True)]
+        return [(1, 1, False)]
     if dp_replicate is not None or dp_mode == "hsdp":
         reps = [dp_replicate] if dp_replicate else [r for r in _divisors(d) if 1 < r < d]
-        return [(r, d // r) for r in reps if d % r == 0 and 1 < r < d]
+        return [(r, d // r, False) for r in reps if d % r == 0 and 1 < r < d]
     modes = [dp_mode] if dp_mode else ["ddp", "fsdp"]
-    return [(d, 1) if m == "ddp" else (1, d) for m in modes]
+    return [(d, 1, False) if m == "ddp" else (1, d, False) for m in modes]
 
 
 def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: int,
@@ -135,7 +141,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
             pipe: dict[str, Any] = {"pipeline_schedule": pipeline_schedule,
                                     "stages_per_rank": stages_per_rank} if p > 1 else {}
             sps = [sp] if sp is not None else [t > 1]
-            for rep, shard in _modes(d, dp_mode, dp_replicate):
+            for rep, shard, over_cp in _modes(d, dp_mode, dp_replicate, c):
                 for s in sps:
                     if s and t == 1:
                         continue
@@ -151,7 +157,7 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, *, batch_size: int, seq_len: i
                                      for e in _eps(ep, spec, rep, shard)]:
                             try:
                                 lay = Layout(tp=t, sp=s, pp=p, cp=c, ep=e, dp_replicate=rep,
-                                             dp_shard=shard, **pipe, **steps,
+                                             dp_shard=shard, shard_cp=over_cp, **pipe, **steps,
                                              micro_batch=mb, seq_len=seq_len, ckpt_ratio=r,
                                              ac=ac, param_dtype=param_dtype,
                                              mixed_precision=mixed_precision,
@@ -214,7 +220,7 @@ def state_lower_bound(layout: Layout, layer_params: int, num_layers: int,
     split between the ``ep`` ranks only."""
     per_rank = max(layout.stage_layers(num_layers)) * layout.per_rank
     # FSDP2 shards over dp_shard x cp; DDP keeps whole parameters on every cp rank
-    share = layout.tp * layout.dp_shard * (layout.cp if layout.dp_shard > 1 else 1)
+    share = layout.tp * layout.shards
     size = DTYPES[layout.param_dtype].itemsize
     experts = expert_params // layout.ep if layout.ep > 1 else expert_params // share
     per_layer = (layer_params - expert_params) // share + experts

@@ -67,7 +67,7 @@ class UnitKey:
         tp, sp: tensor-parallel degree and sequence parallelism.
         micro_batch, seq_len: the micro-batch's shape.
         param_dtype, mixed_precision: as in :class:`~torchloom.plan.layout.Layout`.
-        fsdp: the FSDP2 degree, ``dp_shard`` (1: no FSDP).
+        fsdp: the FSDP2 degree, ``dp_shard`` (1: no FSDP, unless ``shard_cp``).
         loss: ``"model"`` (the model's own loss from ``labels``) or ``"next_token"``
             (the pipeline's: logits out, :func:`next_token_loss`).
         replicate: HSDP's replicas (``dp_replicate`` with ``fsdp`` > 1; 1 otherwise).
@@ -107,6 +107,14 @@ class UnitKey:
     lora: Any = None
     """LoRA fine-tuning (a :class:`~torchloom.parallel.lora.LoraSpec`): the adapters
     added after the schedule, as :func:`torchloom.parallelize` adds them."""
+    shard_cp: bool = False
+    """With ``fsdp`` 1 and ``cp`` > 1: FSDP2 over the ``cp`` ranks alone
+    (:attr:`Layout.shard_cp <torchloom.Layout.shard_cp>`)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the measured model (over ``fsdp x cp`` ranks)."""
+        return self.fsdp > 1 or (self.shard_cp and self.cp > 1)
 
     def layout(self) -> Any:
         """The :class:`torchloom.Layout` of the measured ranks (no pipeline, no data
@@ -114,9 +122,9 @@ class UnitKey:
         :func:`torchloom.parallel.init_mesh`'s and :func:`torchloom.parallelize`'s."""
         from ..parallel.layout import Layout
 
-        replicate = self.replicate if self.fsdp > 1 else max(1, self.ep)
+        replicate = self.replicate if self.sharded else max(1, self.ep)
         return Layout(tp=self.tp, sp=self.sp, dp_shard=self.fsdp,
-                      dp_replicate=replicate, ep=self.ep,
+                      dp_replicate=replicate, ep=self.ep, shard_cp=self.sharded and self.cp > 1,
                       micro_batch=self.micro_batch, seq_len=self.seq_len,
                       param_dtype=self.param_dtype, mixed_precision=self.mixed_precision,
                       reduce_dtype=self.reduce_dtype, loss=self.loss_mode, cp=self.cp)
@@ -267,7 +275,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _autocast(key: UnitKey) -> Any:
-    if key.mixed_precision is None or key.fsdp > 1:
+    if key.mixed_precision is None or key.sharded:
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=DTYPES[key.mixed_precision])
 
@@ -292,13 +300,13 @@ def _groups(mesh: Any, key: UnitKey) -> dict[str, str]:
     every data-parallel rank); ``dp_replicate`` for HSDP's replicas."""
     if mesh is None:
         return {}
-    hsdp = key.fsdp > 1 and key.replicate > 1
+    hsdp = key.sharded and key.replicate > 1
     out: dict[str, str] = {}
     for dim, label in (("dp", "dp"), ("dp_replicate", "dp_replicate" if hsdp else "dp"),
                        ("dp_shard", "dp"), ("tp", "tp"), ("cp", "cp")):
         if mesh.size(dim) > 1:
             out[mesh.group(dim).group_name] = label
-    if key.cp > 1 and key.fsdp > 1:
+    if key.cp > 1 and key.sharded:
         # FSDP2 shards over dp_shard x cp flattened (one group, labelled as FSDP2's)
         out[mesh.shard_group().group_name] = "dp"
     if key.ep > 1:
@@ -389,7 +397,7 @@ def measure_units(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = N
             sch.expert_parallel(mesh.group("ep") if mesh is not None else None)
         layers: Any = model.get_submodule(spec.layers)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        if key.fsdp > 1:
+        if key.sharded:
             _fully_shard(model, spec, mesh, key)
             # to_empty may swap a parameter's contents in place (its attributes too): the
             # metadata is kept on stand-ins

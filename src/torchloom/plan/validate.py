@@ -70,7 +70,7 @@ def mesh_labels(layout: Layout, mesh: Any) -> dict[str, str]:
             out[mesh.group(dim).group_name] = label
     if layout.cp > 1:
         out[mesh.group("dp_cp").group_name] = "dp"
-        if layout.dp_shard > 1:
+        if layout.fsdp:
             out[mesh.shard_group().group_name] = "dp"
     return out
 

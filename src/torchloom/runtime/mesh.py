@@ -153,10 +153,13 @@ class Mesh:
     @property
     def fsdp_mesh(self) -> Any:
         """What FSDP2 shards over: the 2-D ``(dp_replicate, dp_shard)`` mesh of HSDP when
-        both are above 1, else the flattened data-parallel mesh (``dp_shard`` alone, or
-        ``build(target="fsdp")`` over the replicas of :func:`init_mesh`'s ``dp``)."""
+        both are above 1 (``(dp_replicate, dp_shard_cp)`` with context parallelism, also
+        when ``dp_shard`` is 1), else the flattened shard mesh (``dp_shard x cp``,
+        ``dp_shard`` alone, or ``build(target="fsdp")`` over the replicas of
+        :func:`init_mesh`'s ``dp``)."""
         shard = "dp_shard_cp" if self.dp_shard_cp is not None else "dp_shard"
-        if self.size("dp_replicate") > 1 and self.size("dp_shard") > 1:
+        if self.size("dp_replicate") > 1 and (self.size("dp_shard") > 1
+                                              or self.dp_shard_cp is not None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 return self.root["dp_replicate", shard]
@@ -202,6 +205,17 @@ def make_mesh(*, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int 
         return Mesh(root, dp, stage, model, **experts)
     dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if dp_cp.get_group().group_name == root["cp"].get_group().group_name:
+        # the cp ranks are the whole world, and torch gives every view of them its default
+        # group: the gradients' reductions (DDP's, FSDP2's) get a group of their own, so
+        # that they and the context-parallel exchange are told apart (counted, planned)
+        # and do not share one communicator
+        from torch.distributed.device_mesh import DeviceMesh
+
+        whole = dist.new_group(list(range(world)))
+        dp_cp, dp_shard_cp = (DeviceMesh.from_group(whole, root.device_type,
+                                                    mesh_dim_names=(name,))
+                              for name in ("dp_cp", "dp_shard_cp"))
     return Mesh(root, dp, stage, model, dp_cp, dp_shard_cp, **experts)
 
 
