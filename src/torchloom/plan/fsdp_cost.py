@@ -2,9 +2,9 @@
 bytes a gathered layer holds, and the next layer's prefetch (used by
 :mod:`torchloom.plan.predict`).
 
->>> fsdp_times(("all_gather", "dp", 2, 1024), backward=False, fsdp=True, pp=1, n=4, before=0)
+>>> fsdp_times(("all_gather", "dp", 2, 1024), fsdp=True, n=4)
 4
->>> fsdp_times(("reduce_scatter", "dp", 2, 1024), backward=True, fsdp=True, pp=1, n=4, before=0)
+>>> fsdp_times(("reduce_scatter", "dp", 2, 1024), fsdp=True, n=4)
 1
 """
 
@@ -19,7 +19,7 @@ from .profiles import Profile
 from .units import Units
 
 __all__ = ["DP_GROUPS", "fsdp_times", "only_dp", "prefetch_bytes", "root_shares", "scaled_dp",
-           "stage_fsdp_fix", "stage_param_bytes", "stage_roots", "unsharded_ratio"]
+           "stage_param_bytes", "stage_roots", "unsharded_ratio"]
 
 #: The mesh groups over which data-parallel gradients are reduced.
 DP_GROUPS = frozenset({"dp", "dp_replicate", "ep_replicas"})
@@ -36,17 +36,14 @@ def prefetch_bytes(layout: Layout, profile: Profile, units: Units) -> int:
     return round((1.0 + unsharded_ratio(layout, units)) * gathered)
 
 
-def fsdp_times(c: tuple[str, str, int, int], backward: bool, fsdp: bool, pp: int, n: int,
-               before: int) -> int:
-    """How often a collective measured once per micro-batch runs in a step. FSDP2's
-    (``dp`` groups): under a pipeline, the all-gathers of the forwards before a stage's
-    first backward and of that backward, and one reduction at the end; without one, the
-    all-gathers of every micro-step and the reduction of the last (``no_sync``, as
-    ``torchloom train`` accumulates). Everything else: once per micro-batch."""
+def fsdp_times(c: tuple[str, str, int, int], fsdp: bool, n: int) -> int:
+    """How often a collective measured once per micro-batch runs in a step of ``n``
+    micro-steps without a pipeline: FSDP2's (``dp`` groups) all-gathers every micro-step,
+    its reductions on the last (``no_sync``, as ``torchloom train`` accumulates);
+    everything else once per micro-batch. (Under a pipeline:
+    :func:`~torchloom.plan.fsdp_pipeline.pipeline_times`.)"""
     if not fsdp or c[1] not in DP_GROUPS:
         return n
-    if pp > 1:
-        return before if not backward else 1
     return n if c[0] == "all_gather" else 1
 
 
@@ -145,31 +142,3 @@ def stage_roots(units: Units, e_f: P, e_b: P, h_f: P, h_b: P
     h_f2 = _changed(h_f, comm=h_f.comm + only_dp(scaled_dp(e_f.comm, h_share)))
     h_b2 = _changed(h_b, comm=h_b.comm + only_dp(scaled_dp(e_b.comm, h_share)))
     return e_f2, e_b2, h_f2, h_b2, gathered - head, head
-
-
-def stage_fsdp_fix(k: int, count: int, before: int, embedding_comm: Counter,
-                   head_comm: Counter, last_layer_comm: Counter | None) -> Counter:
-    """What FSDP2 under a pipeline collects differently in stage ``k`` of ``count`` from
-    the measured pieces (run without one), given the stage's ``before`` forwards before
-    its first backward and the forward collectives of the end pieces (after
-    :func:`stage_roots`) and of its last layer: its root is gathered once, by its first
-    forward, not by each forward before the first backward; and the first stage (not the
-    last too) gathers its last layer for that layer's backward itself, which in the
-    measurement the next layer's backward prefetched (each later stage's backward pieces
-    prefetch the layer before it instead: as many gathers, of one layer each).
-
-    >>> ag = ("all_gather", "dp", 2, 100)
-    >>> stage_fsdp_fix(0, 2, 3, Counter({ag: 1}), Counter(), Counter({ag: 1}))
-    Counter({('all_gather', 'dp', 2, 100): -1})
-    """
-    fix: Counter = Counter()
-    roots = (only_dp(embedding_comm) if k == 0 else Counter()) + \
-        (only_dp(head_comm) if k == count - 1 else Counter())
-    for c, num in roots.items():
-        if c[0] == "all_gather":
-            fix[c] -= num * max(0, before - 1)
-    if k == 0 and k != count - 1 and last_layer_comm is not None:
-        for c, num in only_dp(last_layer_comm).items():
-            if c[0] == "all_gather":
-                fix[c] += num
-    return fix

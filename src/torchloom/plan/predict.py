@@ -14,10 +14,11 @@ What the composition models beyond the measured pieces:
   rank's forwards and backwards, with virtual stages for the interleaved and zero-bubble
   schedules, the V placement of ZBVZeroBubble, and the bubble);
 * **FSDP2 under a pipeline** (each stage's parameters, gradients and optimizer state
-  sharded over ``dp_shard``): as ``torch.distributed.pipelining`` runs it, the forwards
-  before a stage's first backward all-gather each layer and free it, the first backward
-  leaves the stage's parameters unsharded and its gradients accumulate unsharded until
-  the step's end, when each layer's gradient is reduce-scattered once;
+  sharded over ``dp_shard``): as ``torch.distributed.pipelining`` runs it, step by step
+  (:mod:`torchloom.plan.fsdp_pipeline`): a forward on sharded layers gathers and frees
+  each, a backward gathers them and keeps them, the next forward frees them again; the
+  gradients accumulate unsharded (in the reduction dtype) from the first backward to the
+  step's end, when each is reduce-scattered once; each stage's root is gathered once;
 * **HSDP** (``dp_replicate`` x ``dp_shard``): measured as FSDP2 over the 2-D mesh, the
   gradient all-reduce across the replicas (``dp_replicate``) included;
 * **activation checkpointing**: the first ``ckpt_ratio`` of the layers (the rule
@@ -76,20 +77,33 @@ from .crossing import Crossing, crossing
 from .fsdp_cost import (
     fsdp_times,
     prefetch_bytes,
-    stage_fsdp_fix,
     stage_param_bytes,
     stage_roots,
     unsharded_ratio,
 )
+from .fsdp_pipeline import StageState, Walk, balance, stage_comm
+from .fsdp_pipeline import backward as fsdp_backward
+from .fsdp_pipeline import forward as fsdp_forward
+from .fsdp_pipeline import reduce as fsdp_reduce
 from .layout import OPTIMIZERS, Layout, check_model
 from .notes import layout_notes
+from .pieces import (
+    ASYNC_TP_HIDDEN,
+    Kernels,
+    causal_share,
+)
+from .pieces import Layers as _Layers
+from .pieces import Piece as _Piece
+from .pieces import piece as _piece
+from .pieces import stage_backward as _stage_backward
+from .pieces import stage_forward as _stage_forward
+from .pieces import stage_pieces as _stage_pieces
 from .pipeline import bubble_share, order
 from .profiles import Profile, get_profile
 from .results import CollectiveTotal, Memory, Prediction, RolePrediction, Time
 from .spec import ModelSpec, model_spec
 from .units import (
     ScheduleFn,
-    SegmentCost,
     UnitKey,
     Units,
     extrapolate,
@@ -106,6 +120,8 @@ fragmentation, NCCL's buffers and workspaces the planner does not see):
 
 STEP_BYTES = 4  # AdamW / Adam keep a float32 "step" per parameter tensor
 OPTIMIZER_TRAFFIC = 16  # bytes moved per parameter byte by an AdamW step (read + write)
+OPTIMIZER_OPS = 12
+"""Operators a single-tensor Adam/AdamW step dispatches per parameter tensor."""
 
 _UNITS: dict[tuple[Any, ...], Units] = {}
 _CROSSINGS: dict[tuple[Any, ...], Crossing] = {}
@@ -150,157 +166,7 @@ def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) ->
     return _CROSSINGS[k]
 
 
-# --------------------------------------------------------------------------- pieces
-
-
-@dataclass
-class _Piece:
-    """A segment as the composition uses it."""
-
-    delta: int
-    rise: int
-    flops: int
-    seconds: float
-    comm: Counter
-    grads: int = 0  # gradient bytes this backward piece creates the first time
-    largest: int = 0  # its largest gradient tensor
-
-
-OPTIMIZER_OPS = 12
-"""Operators a single-tensor Adam/AdamW step dispatches per parameter tensor."""
-
-
-CAUSAL_SHARE = 0.5
-"""The share of a causal attention's counted FLOPs its kernel executes: flash and
-memory-efficient attention skip the blocks above the diagonal (FlopCounterMode counts the
-whole score matrix). Time only: MFU keeps the counted FLOPs, as torchtitan's does."""
-COMPILE_TRAFFIC = 0.5
-"""``compile``: the share of an eager layer's element-wise memory traffic a compiled layer
-moves (inductor fuses chains of element-wise operators and normalisations into single
-kernels, which read their inputs and write their outputs once). An assumption, not
-measured: on these CPUs compile is not faster, and the GPU run measures it."""
-FLOAT8_CAST = 0.75
-"""``float8``: bytes moved to cast a linear product's operands to FP8 (torchao's dynamic
-scaling reads the bf16 tensors for their amax and again to cast, and writes one byte per
-element), per byte the bf16 product moves; the product itself runs at the profile's fp8
-peak with the same efficiency. The layers' linear products only (torchao leaves the output
-layer in bf16). An assumption, not measured."""
-ASYNC_TP_HIDDEN = 0.8
-"""``async_tp``: the share of the sequence-parallel all-gathers and reduce-scatters that
-overlap the matrix products they feed or follow (the collectives are split and pipelined
-with the product's chunks). An assumption, not measured."""
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """How the layers' operators run: compiled, with Float8 linear products."""
-
-    compile: bool = False
-    float8: bool = False
-    causal_share: float = CAUSAL_SHARE  # of causal attention's counted FLOPs executed
-
-
-def causal_share(cp: int) -> float:
-    """The share of the counted causal-attention FLOPs the kernels execute on one of ``cp``
-    context-parallel ranks: half (:data:`CAUSAL_SHARE`) for one; else its query chunks
-    ``j = r, 2cp - 1 - r`` (``c = S / 2cp`` tokens) run against ``(j + 1) c`` keys, counted
-    ``(2cp + 1) c^2`` scores of which the kernel skips half of each last ``c x c`` block:
-    ``2cp / (2cp + 1)``, i.e. ``1 / cp`` of the whole causal attention per rank."""
-    return CAUSAL_SHARE if cp <= 1 else 2 * cp / (2 * cp + 1)
-
-
-def _seconds(seg: SegmentCost, profile: Profile, kernels: Kernels = Kernels()) -> float:
-    t = 0.0
-    bw = profile.memory_bandwidth * profile.memory_efficiency
-    for flops, moved, dtype, kind in seg.matmuls:
-        peak = profile.flops.get(dtype) or profile.flops.get("fp32", 1.0)
-        if kind == "causal":
-            flops = round(flops * kernels.causal_share)
-        if kernels.float8 and kind == "linear" and "fp8" in profile.flops and \
-                dtype in ("bf16", "fp16"):
-            peak = profile.flops["fp8"]
-            t += FLOAT8_CAST * moved / bw
-        efficiency = profile.matmul_efficiency
-        if kind in ("causal", "attention") and profile.attention_efficiency is not None:
-            efficiency = profile.attention_efficiency
-        t += max(flops / (peak * efficiency), moved / bw)
-    other = seg.other_bytes * (COMPILE_TRAFFIC if kernels.compile else 1.0)
-    return t + other / bw + seg.ops * profile.op_overhead
-
-
-def _comm(seg: SegmentCost) -> Counter:
-    return Counter((c.kind, c.group, c.size, c.bytes) for c in seg.collectives)
-
-
-def _piece(seg: SegmentCost, profile: Profile, grads: int = 0, largest: int = 0,
-           kernels: Kernels = Kernels()) -> _Piece:
-    return _Piece(seg.delta, seg.rise, seg.flops, _seconds(seg, profile, kernels),
-                  _comm(seg), grads, largest)
-
-
-def _adjusted(base: _Piece, plus: _Piece, minus: _Piece) -> _Piece:
-    """``base`` with the position effect ``plus - minus`` (a piece at the first or last
-    place of the stack that was measured on a layer of the other kind)."""
-    comm = Counter(base.comm)
-    comm.update(plus.comm)
-    comm.subtract(minus.comm)
-    return _Piece(base.delta + plus.delta - minus.delta,
-                  max(0, base.rise + plus.rise - minus.rise), base.flops + plus.flops -
-                  minus.flops, max(0.0, base.seconds + plus.seconds - minus.seconds),
-                  Counter({k: v for k, v in comm.items() if v > 0}), base.grads,
-                  base.largest)
-
-
-
-class _Layers:
-    """The forward and backward piece of every layer of the model (by global index): a
-    checkpointed (under ``ac="op"``: op-level selective, as measured) or a plain layer's,
-    with the first layer's
-    position effect (measured on a checkpointed one) moved onto another kind when layer 0
-    is not checkpointed."""
-
-    def __init__(self, units: Units, profile: Profile, num_layers: int, n_ckpt: int,
-                 kernels: Kernels = Kernels()) -> None:
-        seg = units.segments
-        grads = units.grads["L2"]
-        f = {n: _piece(seg[f"{n}.f"], profile, kernels=kernels) for n in ("L0", "L1", "L2")}
-        b = {n: _piece(seg[f"{n}.b"], profile, grads, units.largest["L2"], kernels)
-             for n in ("L0", "L1", "L2")}
-        self.fwd: list[_Piece] = []
-        self.bwd: list[_Piece] = []
-        # a layer's forward and backward FLOPs without recomputation (model FLOPs)
-        plain = f["L2"].flops + b["L2"].flops
-        self.model = [plain + (f["L0"].flops + b["L0"].flops - f["L1"].flops - b["L1"].flops
-                               if j == 0 else 0) for j in range(num_layers)]
-        for j in range(num_layers):
-            if j < n_ckpt:
-                fw, bw = (f["L0"], b["L0"]) if j == 0 else (f["L1"], b["L1"])
-            elif j == 0:
-                fw, bw = _adjusted(f["L2"], f["L0"], f["L1"]), _adjusted(b["L2"], b["L0"],
-                                                                        b["L1"])
-            else:
-                fw, bw = f["L2"], b["L2"]
-            self.fwd.append(fw)
-            self.bwd.append(bw)
-
-
 # --------------------------------------------------------------------------- walk
-
-
-class _Walk:
-    """Live bytes of one rank through its step."""
-
-    def __init__(self, base: int) -> None:
-        self.live = base
-        self.peak = base
-
-    def run(self, piece: _Piece, grads_exist: bool = False) -> None:
-        self.peak = max(self.peak, self.live + piece.rise)
-        self.live += piece.delta - (piece.grads if grads_exist else 0)
-
-    def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
 
 
 def _ring(kind: str, size: int, nbytes: int, link: float) -> float:
@@ -358,19 +224,6 @@ def predict(model: Any, layout: Layout, profile: str | Profile = "h100-80gb", *,
     units = units_for(spec, key, schedule)
     cross = _crossing_for(spec, key, schedule) if layout.pp > 1 else None
     return compose(spec, layout, prof, units, cross)
-
-
-def _fold(pieces: list[_Piece], grads_exist: bool) -> _Piece:
-    """One piece for a run of pieces (their net bytes and the peak above the start)."""
-    live = peak = 0
-    for p in pieces:
-        peak = max(peak, live + p.rise)
-        live += p.delta - (p.grads if grads_exist else 0)
-    comm: Counter = Counter()
-    for p in pieces:
-        comm.update(p.comm)
-    return _Piece(live, peak, sum(p.flops for p in pieces), sum(p.seconds for p in pieces),
-                  comm, sum(p.grads for p in pieces))
 
 
 @dataclass
@@ -466,20 +319,6 @@ def compose(spec: ModelSpec, layout: Layout, profile: Profile, units: Units,
                       layout_notes(layout, units), model_flops)
 
 
-def _stage_pieces(mine: range, first: bool, last: bool, layers: _Layers,
-                  ends: tuple[_Piece, _Piece, _Piece, _Piece], head_root: int = 0
-                  ) -> tuple[_Piece, _Piece, _Piece]:
-    """A stage's forward, first backward (creating its gradients) and later backward.
-    ``head_root``: the bytes a last stage's FSDP2 root gathers (:func:`~torchloom.plan.fsdp_cost.stage_roots`)."""
-    e_f, e_b, h_f, h_b = ends
-    gather = [_Piece(head_root, head_root, 0, 0.0, Counter())] if last and head_root else []
-    fwd = ([e_f] if first else []) + gather + [layers.fwd[j] for j in mine] + \
-        ([h_f] if last else [])
-    bwd = ([h_b] if last else []) + [layers.bwd[j] for j in reversed(mine)] + \
-        ([e_b] if first else [])
-    return _fold(fwd, False), _fold(bwd, False), _fold(bwd, True)
-
-
 def _trained(units: Units, layers: int, last: bool, params: int, tensors: int,
              largest: int) -> tuple[int, int, int]:
     """The bytes, tensors and largest tensor the optimizer updates on a rank holding
@@ -545,15 +384,25 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     outputs = n * units.leftover if cross is not None and last else 0
     # ---- the walk: the last stage's outputs of the previous step are dropped first
     base = params + optimizer + model_buffers + runtime + ids_bytes
-    walk = _Walk(base + outputs)
+    walk = Walk(base + outputs)
     walk.add(-outputs)
     pieces = {k: _stage_pieces(spans[k], k == 0, k == count - 1, layers, ends, head_root)
               for k in stages}
-    # FSDP2 under a pipeline: from a stage's first backward its parameters stay
-    # unsharded and its gradients accumulate unsharded (in the compute dtype); with
-    # gradient accumulation and no pipeline, the gradients only (no_sync)
-    widen = unsharded_ratio(layout, units) if fsdp and n > 1 else 0.0
-    kept = 2 if pp > 1 else 1
+    # FSDP2 under a pipeline: each stage's gathers, kept parameters and unsharded
+    # gradients as the schedule runs it (torchloom.plan.fsdp_pipeline); with gradient
+    # accumulation and no pipeline, the gradients stay unsharded (no_sync)
+    fsdp_pp = fsdp and pp > 1
+    state = {k: StageState() for k in stages}
+    layer_f = {k: [layers.fwd[j] for j in spans[k]] for k in stages}
+    steps = {k: _stage_backward(spans[k], k == 0, k == count - 1, layers, ends)
+             for k in stages}
+    expert_grads = units.extra.get("expert_params", 0)
+    fwd_steps = {k: [_stage_forward(spans[k], k == 0, k == count - 1, layers, ends, roots,
+                                    later) for later in (False, True)] for k in stages}
+    release = {k: balance(fwd_steps[k][1], steps[k], k == 0, k == count - 1,
+                          units.leftover if k == count - 1 else 0)
+               if fsdp_pp else 0 for k in stages}
+    widen = unsharded_ratio(layout, units) if fsdp and n > 1 and pp == 1 else 0.0
     # a stage's FSDP2 root (the first's: the embedding; the last's: the head) is gathered
     # by its first forward and not freed before a backward: its later forwards do not
     # gather it again (``roots``)
@@ -564,32 +413,32 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     last_f = max(i for i, (a, _, _) in enumerate(acts) if a == "F")
     held_sends = held_grads = 0
     done: set[int] = set()
-    before: dict[int, int] = {k: 0 for k in stages}  # forwards before a stage's first B
+    forwarded: set[int] = set()
     unsharded = 0
     for i, (action, m, local) in enumerate(acts):
         k = stages[local]
         f_all, b_first, b_next = pieces[k]
         c_in, f_in, c_out, f_out = sizes[k]
         if action == "F":
-            if fsdp and pp > 1 and k in (0, count - 1) and (before[k] or k in done):
-                # the root's parameters stay gathered
-                walk.run(_less(f_all, root if k == 0 else head_root))
+            if fsdp_pp:  # the root's parameters stay gathered after the first forward
+                fsdp_forward(walk, state[k], fwd_steps[k][k in forwarded], k == 0,
+                             k == count - 1)
             else:
                 walk.run(f_all)
-            if k not in done:
-                before[k] += 1
+            forwarded.add(k)
             continue
         if single and held_sends and not gpipe and i - 1 > last_f:
             walk.add(-held_sends * c_out)  # 1F1B's cool-down releases the send
             held_sends = 0
         if widen and k not in done:
-            extra = round(kept * widen * stage_param_bytes(k, spans, count, units))
-            if pp > 1:  # the root's parameters are gathered already (held since its forward)
-                extra -= round(widen * ((units.params["E"] if k == 0 else 0)
-                                        + (units.params["H"] if k == count - 1 else 0)))
+            extra = round(widen * stage_param_bytes(k, spans, count, units))
             walk.add(extra)
             unsharded += extra
-        walk.run(b_next if k in done else b_first)
+        if fsdp_pp:
+            fsdp_backward(walk, state[k], steps[k], expert_grads, k == 0, k == count - 1,
+                          release[k])
+        else:
+            walk.run(b_next if k in done else b_first)
         done.add(k)
         if pp == 1:
             walk.add(-units.leftover)  # the training loop drops the outputs
@@ -612,7 +461,9 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     single_sizes = sizes[stages[0]]
     walk.add(-held_grads * single_sizes[1] - held_sends * single_sizes[2])
     walk.add(-unsharded)
-    if fsdp and pp > 1:  # the stages' roots, resharded by their last backward
+    for k in stages if fsdp_pp else []:  # the gradients reduce-scattered at the end
+        fsdp_reduce(walk, state[k], steps[k], expert_grads)
+    if fsdp_pp:  # the stages' roots, resharded by their last backward
         walk.add(-(root if first else 0) - (head_root if last else 0))
     if outputs:
         # the last stage's outputs (in the walk since their forwards, kept until the next
@@ -638,12 +489,13 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     comm: Counter = Counter()
     for k in stages:
         f_all, b_first, _ = pieces[k]
-        for backward, part in ((False, f_all.comm), (True, b_first.comm)):
+        if fsdp_pp:
+            ends_f = ([e_f] if k == 0 else []) + ([h_f] if k == count - 1 else [])
+            comm.update(stage_comm(f_all.comm, b_first.comm, layer_f[k], ends_f, state[k], n))
+            continue
+        for part in (f_all.comm, b_first.comm):
             for c, num in part.items():
-                comm[c] += num * fsdp_times(c, backward, fsdp, pp, n, before[k])
-        if fsdp and pp > 1:
-            comm.update(stage_fsdp_fix(k, count, before[k], ends[0].comm, ends[2].comm,
-                                        layers.fwd[spans[k][-1]].comm if spans[k] else None))
+                comm[c] += num * fsdp_times(c, fsdp, n)
     comm = Counter({c: v for c, v in comm.items() if v > 0})
     if ddp:
         # DDP's buckets (over dp x cp: the mesh's dp_cp view); a pipeline's loop
@@ -690,9 +542,3 @@ def _compose_rank(rank: int, stages: list[int], spans: list[range], spec: ModelS
     return _Role(rank, len(mine), memory, flops, model_flops, totals, n * compute_mb,
                  compute_mb + (tp_time + p2p_time) / n, tp_time + p2p_time + dp_exposed,
                  dp_exposed + opt_time, opt_time)
-
-
-def _less(piece: _Piece, nbytes: int) -> _Piece:
-    """``piece`` allocating ``nbytes`` less."""
-    return dataclasses.replace(piece, delta=piece.delta - nbytes,
-                               rise=max(0, piece.rise - nbytes))
