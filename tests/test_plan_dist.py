@@ -65,7 +65,7 @@ def test_four_ranks_composed_layouts():
         ("llama", Layout(pp=2, dp_replicate=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
         # context parallelism inside the pipeline: K / V gathers, the loss summed over cp,
         # the gradients averaged over dp x cp
-        ("llama", Layout(pp=2, cp=2, n_microbatches=2, seq_len=SEQ)),
+        ("llama", Layout(pp=2, cp=2, n_microbatches=2, micro_batch=2, seq_len=SEQ)),
         # FSDP2 under a pipeline, bf16 stages under its mixed precision: what crosses the
         # cut is bf16; each stage is an FSDP2 root of its own (torchloom.plan.fsdp_pipeline)
         ("llama", Layout(pp=2, dp_shard=2, n_microbatches=2, micro_batch=2, seq_len=SEQ,

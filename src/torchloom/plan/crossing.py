@@ -58,11 +58,15 @@ class Crossing:
         return self._bytes(self.first if boundary == 0 else self.middle, True)
 
 
-def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) -> Crossing:
+def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None,
+             positions: bool = False) -> Crossing:
     """The tensors that cross a stage boundary (see :class:`Crossing`): a 3-layer model
     on meta, scheduled like the measurement, traced to its layers, cut after layers 0 and
     1 and split on fake values; in the compute dtype where FSDP2's mixed precision makes
-    the stages compute in it (``torchloom.parallelize`` sends them so)."""
+    the stages compute in it (``torchloom.parallelize`` sends them so). ``positions``: the
+    model takes each micro-batch's ``position_ids`` too, as a context-parallel pipeline
+    gives them (this rank's positions; what the stages derive from them then has the
+    micro-batch's rows)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..core.schedule import create_schedule
@@ -79,20 +83,26 @@ def crossing(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None = None) 
         if key.sp:
             knobs["sequence_parallel"] = True
         apply_knobs(sch, spec, knobs, schedule)
-        example = {"input_ids": torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)}
+        shape = (key.micro_batch, key.seq_len)
+        example = {"input_ids": torch.zeros(shape, dtype=torch.long)}
+        if positions:
+            example["position_ids"] = torch.arange(key.seq_len).expand(shape).contiguous()
         with unpacked_sequences():  # as parallelize traces a pipeline
             sch.trace_until(f"{spec.layers}.*", example_inputs=example)
         sch[f"{spec.layers}.0"].cut_pipeline_stage()
         sch[f"{spec.layers}.1"].cut_pipeline_stage()
         mixed = key.sharded and key.mixed_precision not in (None, key.param_dtype)
         send = DTYPES[key.mixed_precision] if mixed and key.mixed_precision else None
-        stages = split_stages(sch, (example["input_ids"],), send)
+        stages = split_stages(sch, dict(example) if positions else (example["input_ids"],),
+                              send)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         for stage in stages.modules:
             fake_params(stage, mode)
         with mode:
-            ids = torch.zeros(key.micro_batch, key.seq_len, dtype=torch.long)
-            first = stages.modules[0](ids)
+            inputs = {"input_ids": torch.zeros(shape, dtype=torch.long)}
+            if positions:
+                inputs["position_ids"] = torch.arange(key.seq_len).expand(shape).contiguous()
+            first = stages.modules[0](**inputs)
             # what the next stage receives: a leaf that needs a gradient where the sent
             # tensor needs one (the runtime sizes its buffers from the sent tensors)
             # (in the parameters' dtype: the stages here compute in it, no FSDP2 casts)

@@ -157,12 +157,13 @@ def _crossing_for(spec: ModelSpec, key: UnitKey, schedule: ScheduleFn | None) ->
     # with context parallelism the stages exchange this rank's seq_len / cp positions
     seq = key.seq_len // key.cp
     k = (*_spec_key(spec, schedule), key.tp, key.sp, key.micro_batch, seq, key.param_dtype,
-         key.mixed_precision, key.sharded)
+         key.mixed_precision, key.sharded, key.cp > 1)
     if k not in _CROSSINGS:
         # (without context parallelism: FSDP2's shards are then dp_shard x cp ranks)
         shards = key.fsdp * key.cp if key.sharded else key.fsdp
         _CROSSINGS[k] = crossing(spec, dataclasses.replace(key, seq_len=seq, cp=1, fsdp=shards,
-                                                           shard_cp=False), schedule)
+                                                           shard_cp=False), schedule,
+                                 positions=key.cp > 1)
     return _CROSSINGS[k]
 
 
