@@ -43,6 +43,12 @@ SEQ = 32
     ({"ac": "selective"}, "unknown activation checkpointing 'selective'"),
     ({"optimizer": "lion"}, "unknown optimizer"),
     ({"pp": 2, "n_microbatches": 2, "stage_cuts": (3, 1)}, "stage_cuts lists"),
+    ({"pp": 2, "dp_shard": 2, "n_microbatches": 4, "pipeline_schedule": "InterleavedZeroBubble"},
+     r"InterleavedZeroBubble with FSDP2 loses weight gradients(.|\n)*values: pipeline_schedule="
+     r"'InterleavedZeroBubble', pp=2, dp_shard=2(.|\n)*fix: Layout\(pipeline_schedule="
+     r"'Interleaved1F1B'\) with FSDP2, or InterleavedZeroBubble with DDP"),
+    ({"pp": 2, "cp": 2, "shard_cp": True, "n_microbatches": 4,
+      "pipeline_schedule": "ZBVZeroBubble"}, "ZBVZeroBubble with FSDP2 loses weight gradients"),
 ])
 def test_layout_refuses_contradictions(kwargs, pattern):
     # torchloom.plan.Layout is torchloom.Layout; its errors are LayoutErrors (PlanErrors)

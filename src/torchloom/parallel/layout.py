@@ -85,6 +85,8 @@ __all__ = ["AC_MODES", "DP_MODES", "DTYPES", "LOSSES", "Layout", "NOTATION", "OP
 PIPELINE_SCHEDULES = SCHEDULES
 """The pipeline schedules, named as ``torch.distributed.pipelining``'s classes without
 ``Schedule`` (:data:`torchloom.runtime.pipeline.SCHEDULES`)."""
+ZERO_BUBBLE = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules that split each backward into its input and its weight part."""
 V_SHAPED = frozenset({"ZBVZeroBubble"})
 """Schedules that place stages in a V (rank r holds stages r and 2 pp - 1 - r), with
 exactly two stages per rank."""
@@ -446,6 +448,16 @@ class Layout:
             raise _fail(f"{self.pipeline_schedule} places two stages on each rank, in a V; "
                         f"not {self.per_rank}", {"stages_per_rank": self.per_rank},
                         "Layout(pipeline_schedule='ZBVZeroBubble', stages_per_rank=2)")
+        if self.pp > 1 and self.fsdp and self.pipeline_schedule in ZERO_BUBBLE:
+            raise _fail(f"{self.pipeline_schedule} with FSDP2 loses weight gradients: its "
+                        "split backward computes a stage's weight gradients after a later "
+                        "forward of the stage has resharded its layers, and those gradients "
+                        "are never reduce-scattered (measured with torch 2.13: the loss "
+                        "after one step differs from DDP's and from Interleaved1F1B's)",
+                        {"pipeline_schedule": self.pipeline_schedule, "pp": self.pp,
+                         "dp_shard": self.dp_shard, "shard_cp": self.shard_cp},
+                        "Layout(pipeline_schedule='Interleaved1F1B') with FSDP2, or "
+                        f"{self.pipeline_schedule} with DDP (dp_replicate=N, dp_shard=1)")
         if self.pp > 1 and self.micro_steps < self.pp:
             raise _fail(f"a pipeline of {self.pp} stages needs at least {self.pp} "
                         "micro-batches per step",
