@@ -92,6 +92,18 @@ def _compare(done, reference: nn.Module, padded: bool) -> dict[str, int]:
     return dict(forward)
 
 
+def _sgd_step_matches(done, reference: nn.Module) -> None:
+    """One SGD step on the built model's (sharded) parameters equals one on ``reference``,
+    both holding the gradients of the same step."""
+    opt = torch.optim.SGD(done.model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt.step()
+    ref_opt.step()
+    ref_params = dict(reference.named_parameters())
+    for name, param in done.module.named_parameters():
+        torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
+
+
 def _build(reference: nn.Module, layout: Layout):
     model = copy.deepcopy(reference)
     mesh = init_mesh(layout, device_type="cpu")
@@ -214,14 +226,7 @@ def _check_cp_with_fsdp(rank: int) -> None:
     # and the shards average over dp_shard x cp, so compare with the rows' own gradient
     # averaged over the two data-parallel ranks: give both the same rows here
     _compare(done, reference, padded=True)
-    # one optimizer step on the shards equals one on the whole model
-    opt = torch.optim.SGD(done.model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    opt.step()
-    ref_opt.step()
-    ref_params = dict(reference.named_parameters())
-    for name, param in done.module.named_parameters():
-        torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
+    _sgd_step_matches(done, reference)  # on the shards, as on the whole model
 
 
 def _check_cp_sharded(root: str, rank: int) -> None:
@@ -264,13 +269,7 @@ def _check_cp_sharded(root: str, rank: int) -> None:
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=2e-6, atol=1e-7)
     assert_grads_match(done.module, reference, **TOL)
-    opt = torch.optim.SGD(done.model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    opt.step()
-    ref_opt.step()
-    ref_params = dict(reference.named_parameters())
-    for name, param in done.module.named_parameters():
-        torch.testing.assert_close(_full(param.detach()), ref_params[name].detach(), **TOL)
+    _sgd_step_matches(done, reference)
     common = dict(model="llama", steps=4, batch_size=2, seq_len=32, progress=False)
     sharded = train_rank(rank, TrainConfig(cp=2, dp_mode="fsdp", save_every=2, save_dir=root,
                                            **common))

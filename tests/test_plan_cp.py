@@ -107,15 +107,21 @@ def test_fsdp_over_the_cp_ranks_alone(spec):
     assert ("all_reduce", "dp") in {(c.kind, c.group) for c in ddp.collectives}
 
 
-def test_cli_fsdp_over_cp(tmp_path):
+def _plan_cp2_fsdp(tmp_path, gpus: int) -> tuple[str, dict]:
+    """``torchloom plan llama --cp 2 --dp-mode fsdp`` on ``gpus`` (tp 1, pp 1): its output
+    and its ``--json``."""
     out = tmp_path / "p.json"
-    result = CliRunner().invoke(app, ["llama", "--gpus", "2", "--cp", "2", "--tp", "1",
+    result = CliRunner().invoke(app, ["llama", "--gpus", str(gpus), "--cp", "2", "--tp", "1",
                                       "--pp", "1", "--dp-mode", "fsdp", "--seq-len", str(SEQ),
                                       "--json", str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "dp1(fsdp over cp)" in result.output
-    assert "--cp 2 --dp-mode fsdp" in result.output  # the torchloom train command
-    data = json.loads(out.read_text())
+    return result.output, json.loads(out.read_text())
+
+
+def test_cli_fsdp_over_cp(tmp_path):
+    output, data = _plan_cp2_fsdp(tmp_path, 2)
+    assert "dp1(fsdp over cp)" in output
+    assert "--cp 2 --dp-mode fsdp" in output  # the torchloom train command
     assert data["layout"]["shard_cp"] is True and data["layout"]["dp_shard"] == 1
 
 
@@ -134,13 +140,8 @@ def test_pipeline_with_cp(spec):
 
 
 def test_cli_cp(tmp_path):
-    out = tmp_path / "p.json"
-    result = CliRunner().invoke(app, ["llama", "--gpus", "4", "--cp", "2", "--tp", "1",
-                                      "--pp", "1", "--dp-mode", "fsdp", "--seq-len", str(SEQ),
-                                      "--json", str(out)], env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
-    assert "cp2" in result.output and "--cp 2" in result.output
-    data = json.loads(out.read_text())
+    output, data = _plan_cp2_fsdp(tmp_path, 4)
+    assert "cp2" in output and "--cp 2" in output
     assert data["layout"]["cp"] == 2 and data["layout"]["dp_shard"] == 2
     assert data["peak_gib"] > 0 and data["tokens_per_s_per_gpu"] > 0
     groups = {c["group"] for c in data["roles"][0]["collectives"]}

@@ -270,14 +270,14 @@ class TrainConfig:
         """The run's :class:`torchloom.Layout`: the degrees, the pipeline schedule, the
         micro-batches, the checkpointing and the precision (``dtype="bf16"``: fp32
         weights, bf16 compute, fp32 gradient reduction)."""
-        from ..parallel.layout import Layout
+        from ..parallel.layout import Layout, shards_cp
 
         replicate = self.dp_replicate if self.dp_mode == "hsdp" else (
             self.dp if self.dp_mode == "ddp" else 1)
         micro = self.micro_batch() // self.n_microbatches if self.pp > 1 else self.micro_batch()
         return Layout(
             dp_replicate=replicate, dp_shard=self.dp // replicate, tp=self.tp, cp=self.cp,
-            shard_cp=self.dp_mode != "ddp" and self.cp > 1,
+            shard_cp=shards_cp(self.dp_mode, self.cp),
             ep=self.ep, sp=self.sequence_parallel, pp=self.pp, pipeline_schedule=self.pipeline_schedule,
             stages_per_rank=self.stages_per_rank, stage_cuts=self.stage_cuts,
             n_microbatches=self.n_microbatches if self.pp > 1 else 1,

@@ -50,6 +50,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.errors import PlanError
+from ..parallel.layout import shards_cp
 from ..plan.layout import NOTATION, Layout, data_parallel
 from ..plan.predict import HEADROOM, Prediction, predict
 from ..plan.profiles import PROFILES, Profile, get_profile, measure_local
@@ -348,8 +349,8 @@ def plan_layout(spec: ModelSpec, *, tp: int, pp: int, dp: int, dp_mode: str | No
         data: dict[str, Any] = {"dp_replicate": dp_replicate, "dp_shard": dp // dp_replicate}
     else:
         data = dict(data_parallel(dp, dp_mode or "ddp"))
-    if fields.get("cp", 1) > 1 and dp_mode in ("fsdp", "hsdp"):
-        data["shard_cp"] = True  # FSDP2 over dp x cp, also with one data-parallel rank
+    if shards_cp(dp_mode, fields.get("cp", 1)):
+        data["shard_cp"] = True
     steps: dict[str, Any] = ({"n_microbatches": micro_steps} if pp > 1
                              else {"grad_accum": micro_steps})
     if pp == 1:

@@ -80,7 +80,7 @@ from ..ops.loss import LOSSES
 from ..runtime.pipeline import MULTI_STAGE, SCHEDULES, stage_rank
 
 __all__ = ["AC_MODES", "DP_MODES", "DTYPES", "LOSSES", "Layout", "NOTATION", "OPTIMIZERS",
-           "PIPELINE_SCHEDULES", "data_parallel"]
+           "PIPELINE_SCHEDULES", "data_parallel", "shards_cp"]
 
 PIPELINE_SCHEDULES = SCHEDULES
 """The pipeline schedules, named as ``torch.distributed.pipelining``'s classes without
@@ -135,6 +135,17 @@ def data_parallel(dp: int, mode: str) -> dict[str, int]:
                     "--dp-mode ddp or --dp-mode fsdp (HSDP: --dp-replicate R --dp-shard S)")
     return {"dp_replicate": dp, "dp_shard": 1} if mode == "ddp" else \
         {"dp_replicate": 1, "dp_shard": dp}
+
+
+def shards_cp(dp_mode: str | None, cp: int) -> bool:
+    """Whether the command line's ``--dp-mode`` beside ``--cp`` shards over the
+    context-parallel ranks too (:attr:`Layout.shard_cp`): FSDP2 and HSDP do, also with one
+    data-parallel rank; DDP does not.
+
+    >>> shards_cp("fsdp", 8), shards_cp("hsdp", 2), shards_cp("ddp", 8), shards_cp("fsdp", 1)
+    (True, True, False, False)
+    """
+    return cp > 1 and dp_mode in ("fsdp", "hsdp")
 
 
 def _positive(value: Any) -> bool:

@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from .fsdp_cost import DP_GROUPS
+from .fsdp_cost import DP_GROUPS, only_dp
 
 __all__ = ["StageState", "Step", "Walk", "backward", "forward", "gathered",
            "reduce", "reduced", "stage_comm"]
@@ -85,9 +85,13 @@ class Walk:
         self.peak = max(self.peak, self.live)
 
 
+def _dp_gathers(comm: Counter) -> Counter:
+    """FSDP2's all-gathers in ``comm``."""
+    return Counter({c: num for c, num in only_dp(comm).items() if c[0] == "all_gather"})
+
+
 def _bytes(piece: Piece, kind: str) -> int:
-    return sum(c[3] * num for c, num in piece.comm.items()
-               if c[0] == kind and c[1] in DP_GROUPS)
+    return sum(c[3] * num for c, num in only_dp(piece.comm).items() if c[0] == kind)
 
 
 def gathered(piece: Piece) -> int:
@@ -120,6 +124,30 @@ Step = tuple[Piece, "Piece | None"]
 pieces: the root's parameters are gathered already)."""
 
 
+def _forward_edges(layers: Sequence[Piece], first: bool, last: bool) -> tuple[int, int]:
+    """What a stage's forward adds before its pieces and frees after them, ``layers`` in
+    forward order (see :func:`forward`): the buffer its first layer's piece freed, which is
+    not there, and its last layer's, which its root frees."""
+    if not layers:
+        return 0, 0
+    return (0 if first else gathered(layers[0])), (0 if last else gathered(layers[-1]))
+
+
+def _backward_edge(layers: Sequence[Piece], first: bool, last: bool) -> int:
+    """What a stage's backward sets right after its pieces, ``layers`` in forward order
+    (see :func:`backward`): the first layer the first stage's pieces freed, the last layer
+    the last stage's head piece prefetched."""
+    if not layers:
+        return 0
+    return (gathered(layers[0]) if first else 0) - (gathered(layers[-1]) if last else 0)
+
+
+def _sharded_grads(piece: Piece, layer: Piece | None, experts: int) -> int:
+    """The sharded gradient bytes FSDP2 makes of ``piece``'s gradients (a layer's less the
+    ``experts`` it does not manage)."""
+    return max(0, getattr(piece, "grads", 0) - (experts if layer is not None else 0))
+
+
 def forward(walk: Walk, stage: StageState, steps: Sequence[Step], first: bool = False,
             last: bool = False) -> None:
     """One forward of the stage, ``steps`` in order (the embedding's or the head's pieces
@@ -133,9 +161,9 @@ def forward(walk: Walk, stage: StageState, steps: Sequence[Step], first: bool = 
     one before it. A stage's first layer has no buffer before it (its piece freed one: it
     is added back), and its root frees its last layer's buffer as its forward ends (the
     last stage's head piece was measured doing so)."""
-    layers = [layer for _, layer in steps if layer is not None]
-    if layers and not first:
-        walk.add(gathered(layers[0]))
+    before, after = _forward_edges([layer for _, layer in steps if layer is not None], first,
+                                   last)
+    walk.add(before)
     for piece, layer in steps:
         if layer is None or not stage.unsharded:
             walk.run(piece)
@@ -143,8 +171,7 @@ def forward(walk: Walk, stage: StageState, steps: Sequence[Step], first: bool = 
         own = gathered(layer)  # gathered already: no gather, freed after its forward
         walk.peak = max(walk.peak, walk.live + max(0, piece.rise - own))
         walk.live += piece.delta - own
-    if layers and not last:
-        walk.add(-gathered(layers[-1]))
+    walk.add(-after)
     if stage.unsharded:
         stage.unsharded = False
     else:
@@ -160,12 +187,11 @@ def balance(forwards: Sequence[Step], steps: Sequence[Step], first: bool, last: 
     (the head's forward, the embedding's backward), across what are stage boundaries
     here. ``forwards``: the stage's forward as its later forwards run it (the root
     gathered already); ``steps``: its backward (gradients existing)."""
-    layers = [layer for _, layer in steps if layer is not None]
-    net = sum(p.delta for p, _ in forwards) + \
-        sum(p.delta - getattr(p, "grads", 0) for p, _ in steps)
-    if layers:  # the stage-boundary corrections of forward() and backward()
-        net += (0 if first else gathered(layers[-1])) - (0 if last else gathered(layers[0]))
-        net += (gathered(layers[0]) if first else 0) - (gathered(layers[-1]) if last else 0)
+    layers = [layer for _, layer in forwards if layer is not None]
+    before, after = _forward_edges(layers, first, last)
+    net = sum(p.delta for p, _ in forwards) + before - after + \
+        sum(p.delta - getattr(p, "grads", 0) for p, _ in steps) + \
+        _backward_edge(layers, first, last)
     return kept - net
 
 
@@ -185,19 +211,16 @@ def backward(walk: Walk, stage: StageState, steps: Sequence[Step], experts: int 
     last stage's pieces leave one layer gathered and the first stage's one freed that
     were not there; both are set right as the backward ends."""
     start = not stage.accumulating
-    layer_forwards = [layer for _, layer in steps if layer is not None]
-    share = round(release / max(1, len(layer_forwards)))  # freed with each layer's backward
+    layers = [layer for _, layer in reversed(steps) if layer is not None]  # forward order
+    share = round(release / max(1, len(layers)))  # freed with each layer's backward
     for piece, layer in steps:
         walk.run(piece, grads_exist=not start)
         keep = gathered(layer) if layer is not None and not stage.unsharded else 0
         if start:
-            own = getattr(piece, "grads", 0) - (experts if layer is not None else 0)
-            keep += reduced(piece) - max(0, own)
+            keep += reduced(piece) - _sharded_grads(piece, layer, experts)
         walk.add(keep + (share if layer is not None else 0))
-    if layer_forwards:
-        walk.add((gathered(layer_forwards[-1]) if first else 0)
-                 - (gathered(layer_forwards[0]) if last else 0))
-    walk.add(release - share * len(layer_forwards))
+    walk.add(_backward_edge(layers, first, last))
+    walk.add(release - share * len(layers))
     if not stage.unsharded:
         stage.backward_gathers += 1
     stage.unsharded = True
@@ -210,9 +233,7 @@ def reduce(walk: Walk, stage: StageState, steps: Sequence[Step], experts: int = 
     parameters freed."""
     if not stage.accumulating:
         return
-    sharded = sum(max(0, getattr(p, "grads", 0) - (experts if layer is not None else 0))
-                  for p, layer in steps)
-    walk.add(sharded)
+    walk.add(sum(_sharded_grads(p, layer, experts) for p, layer in steps))
     walk.add(-sum(reduced(p) for p, _ in steps))
     if stage.unsharded:
         walk.add(-sum(gathered(layer) for _, layer in steps if layer is not None))
@@ -240,16 +261,14 @@ def stage_comm(forward: Counter, backward: Counter, layer_forwards: Sequence[Pie
     for c, num in forward.items():
         out[c] += num * (stage.forward_gathers if c[1] in DP_GROUPS else n)
     for root in roots:  # gathered by the first forward, kept to the end
-        for c, num in root.comm.items():
-            if c[0] == "all_gather" and c[1] in DP_GROUPS:
-                out[c] -= num * max(0, stage.forward_gathers - 1)
+        for c, num in _dp_gathers(root.comm).items():
+            out[c] -= num * max(0, stage.forward_gathers - 1)
     for c, num in backward.items():
         if c[1] not in DP_GROUPS:
             out[c] += num * n
         elif c[0] != "all_gather":
             out[c] += num
     for layer in layer_forwards:
-        for c, num in layer.comm.items():
-            if c[0] == "all_gather" and c[1] in DP_GROUPS:
-                out[c] += num * stage.backward_gathers
+        for c, num in _dp_gathers(layer.comm).items():
+            out[c] += num * stage.backward_gathers
     return Counter({c: v for c, v in out.items() if v > 0})

@@ -16,12 +16,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from .fsdp_pipeline import Step
 from .profiles import Profile
 from .units import SegmentCost, Units
 
 __all__ = ["ASYNC_TP_HIDDEN", "CAUSAL_SHARE", "COMPILE_TRAFFIC", "FLOAT8_CAST", "Kernels",
-           "Layers", "Piece", "adjusted", "causal_share", "fold", "less", "piece",
+           "Layers", "Pair", "Piece", "adjusted", "causal_share", "fold", "less", "piece",
            "seconds", "stage_backward", "stage_forward", "stage_pieces"]
 
 @dataclass
@@ -35,6 +34,11 @@ class Piece:
     comm: Counter
     grads: int = 0  # gradient bytes this backward piece creates the first time
     largest: int = 0  # its largest gradient tensor
+
+
+Pair = tuple[Piece, "Piece | None"]
+"""A piece and, for a layer's, that layer's forward piece (what FSDP2 gathers for it):
+a :data:`torchloom.plan.fsdp_pipeline.Step`."""
 
 
 
@@ -169,35 +173,32 @@ def fold(pieces: list[Piece], grads_exist: bool) -> Piece:
 def stage_pieces(mine: range, first: bool, last: bool, layers: Layers,
                   ends: tuple[Piece, Piece, Piece, Piece], head_root: int = 0
                   ) -> tuple[Piece, Piece, Piece]:
-    """A stage's forward, first backward (creating its gradients) and later backward.
-    ``head_root``: the bytes a last stage's FSDP2 root gathers (:func:`~torchloom.plan.fsdp_cost.stage_roots`)."""
-    e_f, e_b, h_f, h_b = ends
-    gather = [Piece(head_root, head_root, 0, 0.0, Counter())] if last and head_root else []
-    fwd = ([e_f] if first else []) + gather + [layers.fwd[j] for j in mine] + \
-        ([h_f] if last else [])
-    bwd = ([h_b] if last else []) + [layers.bwd[j] for j in reversed(mine)] + \
-        ([e_b] if first else [])
+    """A stage's forward, first backward (creating its gradients) and later backward: its
+    :func:`stage_forward` and :func:`stage_backward` pieces folded. ``head_root``: the
+    bytes a last stage's FSDP2 root gathers (:func:`~torchloom.plan.fsdp_cost.stage_roots`)."""
+    fwd = [p for p, _ in stage_forward(mine, first, last, layers, ends, (0, head_root), False)]
+    bwd = [p for p, _ in stage_backward(mine, first, last, layers, ends)]
     return fold(fwd, False), fold(bwd, False), fold(bwd, True)
 
 
 def stage_backward(mine: range, first: bool, last: bool, layers: Layers,
-                   ends: tuple[Piece, Piece, Piece, Piece]) -> list[Step]:
+                   ends: tuple[Piece, Piece, Piece, Piece]) -> list[Pair]:
     """FSDP2 under a pipeline: a stage's backward pieces in order, each layer's with its
     forward piece (what it gathers), the head's and the embedding's with None."""
     _, e_b, _, h_b = ends
-    out: list[Step] = [(h_b, None)] if last else []
+    out: list[Pair] = [(h_b, None)] if last else []
     out += [(layers.bwd[j], layers.fwd[j]) for j in reversed(mine)]
     return out + ([(e_b, None)] if first else [])
 
 
 def stage_forward(mine: range, first: bool, last: bool, layers: Layers,
                    ends: tuple[Piece, Piece, Piece, Piece], roots: tuple[int, int],
-                   later: bool) -> list[Step]:
+                   later: bool) -> list[Pair]:
     """FSDP2 under a pipeline: a stage's forward pieces (each layer's with itself). The
     first forward gathers the stage's root (``roots``: the embedding's and the head's
     bytes; the head's as the last stage starts); a ``later`` one finds it gathered."""
     e_f, _, h_f, _ = ends
-    out: list[Step] = [(less(e_f, roots[0]) if later else e_f, None)] if first else []
+    out: list[Pair] = [(less(e_f, roots[0]) if later else e_f, None)] if first else []
     if last and roots[1] and not later:
         out.append((Piece(roots[1], roots[1], 0, 0.0, Counter()), None))
     out += [(layers.fwd[j], layers.fwd[j]) for j in mine]
@@ -206,5 +207,4 @@ def stage_forward(mine: range, first: bool, last: bool, layers: Layers,
 
 def less(piece: Piece, nbytes: int) -> Piece:
     """``piece`` allocating ``nbytes`` less."""
-    return replace(piece, delta=piece.delta - nbytes,
-                               rise=max(0, piece.rise - nbytes))
+    return replace(piece, delta=piece.delta - nbytes, rise=max(0, piece.rise - nbytes))
