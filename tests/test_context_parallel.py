@@ -186,6 +186,9 @@ def test_layout_shard_cp():
                        r"\(shard_cp, dp_shard 1\) it is not supported(.|\n)*"
                        r"fix: Layout\(dp_shard=2, cp=2, ep=2\)"):
         tl.Layout(dp_replicate=2, cp=2, ep=2, shard_cp=True)
+    with pytest.raises(LayoutError, match=r"shard_cp is True or False(.|\n)*values: "
+                       r"shard_cp='yes'"):
+        tl.Layout(cp=2, shard_cp="yes")  # e.g. from a TOML or JSON file
 
 
 def test_train_with_cp_on_too_few_ranks_says_the_launch_to_use():
